@@ -1,0 +1,131 @@
+"""Plain-PyTorch reference ops for the paged KV cache (also the CPU attention backend).
+
+Dimension letters: B requests, T new tokens in the pass (sum of extend lengths),
+H query heads, K kv heads, D head dim, P pages, S page size, Pmax pages per request,
+L = prefix_len + extend_len (keys one request attends to).
+
+KV layout, one layer (see ``radixlm.runtime.memory_pool``)::
+
+    k_pool[P, S, K, D]   v_pool[P, S, K, D]
+    logical position t of request b  ->  page page_table[b, t // S], slot t % S
+    flat slot id                     ->  page * S + slot   (index into k_pool.view(-1, K, D))
+
+Extend attention with a cached prefix (one request, causal, bottom-right aligned)::
+
+    keys:     0 ........... prefix_len ................. L-1
+              |<- cached pages ->|<--- extend tokens --->|
+    query i (position prefix_len + i) attends to keys [0, prefix_len + i]
+
+A decode step is the special case extend_len == 1; a plain prefill is prefix_len == 0.
+
+Algorithms: PagedAttention (Kwon et al., "Efficient Memory Management for Large Language
+Model Serving with PagedAttention", SOSP 2023) for the page-table indirection, and
+RadixAttention (Zheng et al., "SGLang: Efficient Execution of Structured Language Model
+Programs", 2024) for attending to prefix pages shared through a radix tree.
+
+Caveats: this is the slow, obviously-correct path: it loops over requests in Python,
+gathers each request's K/V into a dense [L, K, D] copy and computes softmax in float32.
+The Triton kernels are tested against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["store_kv", "paged_attention", "gather_kv"]
+
+IntList = Sequence[int] | torch.Tensor
+
+
+def store_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_slots: torch.Tensor,
+) -> None:
+    """Write new tokens' K/V into their page slots, in place.
+
+    Args:
+        k_pool, v_pool: [P, S, K, D] pools of one layer (any float dtype; k/v are cast).
+        k, v: [T, K, D] keys / values of the new tokens (may be strided views).
+        out_slots: [T] int64 flat slot ids (page * S + offset), one per token.
+    """
+    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+    assert k.shape == v.shape and k.shape[1:] == (num_kv_heads, head_dim), (k.shape, k_pool.shape)
+    assert out_slots.shape == (k.shape[0],), (out_slots.shape, k.shape)
+    k_pool.view(-1, num_kv_heads, head_dim)[out_slots] = k.to(k_pool.dtype)  # [P*S, K, D]
+    v_pool.view(-1, num_kv_heads, head_dim)[out_slots] = v.to(v_pool.dtype)
+
+
+def gather_kv(pool: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Dense copy of one request's first ``seq_len`` tokens from a [P, S, K, D] pool.
+
+    ``pages`` is the request's page-table row ([>= ceil(seq_len / S)] ids). Returns [L, K, D].
+    """
+    page_size = pool.shape[1]
+    num_pages = -(-seq_len // page_size)
+    index = pages[:num_pages].to(device=pool.device, dtype=torch.long)
+    dense = pool[index]  # [n, S, K, D]
+    return dense.reshape(-1, pool.shape[2], pool.shape[3])[:seq_len]  # [n*S, K, D] -> [L, K, D]
+
+
+def _as_list(values: IntList) -> list[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+
+
+def _attend_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of one request in float32. q [E, H, D], k/v [L, K, D] -> [E, H, D]."""
+    extend_len, num_heads = q.shape[0], q.shape[1]
+    group = num_heads // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)  # [L, K, D] -> [L, H, D]
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("ehd,lhd->hel", q.float(), k) * scale  # [H, E, L]
+    q_pos = torch.arange(extend_len, device=q.device)[:, None] + prefix_len  # [E, 1]
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]  # [1, L]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hel,lhd->ehd", probs, v)  # [E, H, D]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    prefix_lens: IntList,
+    extend_lens: IntList,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its whole sequence, via pages.
+
+    Args:
+        q: [T, H, D] queries; rows cu_extend[b]:cu_extend[b+1] belong to request b.
+        k_pool, v_pool: [P, S, K, D] pools of one layer, already holding the new tokens.
+        page_table: [B, Pmax] int32 page ids per request.
+        prefix_lens: [B] tokens already cached per request (tensor or host list).
+        extend_lens: [B] new tokens per request (tensor or host list).
+        scale: softmax scale, usually D ** -0.5.
+
+    Returns:
+        [T, H, D] attention output in q's dtype (computed in float32).
+        Query head h reads kv head h // (H // K) (GQA).
+    """
+    num_heads, num_kv_heads = q.shape[1], k_pool.shape[2]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    prefix, extend = _as_list(prefix_lens), _as_list(extend_lens)
+    assert sum(extend) == q.shape[0], (sum(extend), q.shape)
+    out = torch.empty_like(q)
+    start = 0
+    for b, (p_len, e_len) in enumerate(zip(prefix, extend, strict=True)):
+        seq_len = p_len + e_len
+        k = gather_kv(k_pool, page_table[b], seq_len)  # [L, K, D]
+        v = gather_kv(v_pool, page_table[b], seq_len)
+        rows = slice(start, start + e_len)
+        out[rows] = _attend_one(q[rows], k, v, p_len, scale).to(q.dtype)
+        start += e_len
+    return out

@@ -1,0 +1,13 @@
+"""Torch-free, page-aligned radix tree: token-id prefixes -> KV page ids.
+
+``RadixTree`` (radix/tree.py) does match/insert/split/lock/evict; eviction policies are
+looked up by name in ``EVICTION_POLICIES`` (radix/eviction.py); ``check_invariants``
+lives in radix/invariants.py. Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from radixlm.radix.eviction import EVICTION_POLICIES
+from radixlm.radix.tree import InsertResult, MatchResult, RadixTree
+
+__all__ = ["EVICTION_POLICIES", "InsertResult", "MatchResult", "RadixTree"]

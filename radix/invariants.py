@@ -1,0 +1,78 @@
+"""Structural invariants of ``RadixTree``, checked by ``RadixTree.check_invariants()``.
+
+Walks the whole tree (O(nodes + heap)); meant for tests and for the scheduler's
+debug-mode idle check. Raises AssertionError with a message naming the broken rule,
+explicitly (not via ``assert``) so the check also runs under ``python -O``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixlm.radix.tree import RadixTree, TreeNode
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+def check_tree(tree: RadixTree) -> None:
+    """Check every node, then the counters, then the eviction heap."""
+    _check_root(tree)
+    nodes = list(tree._iter_nodes())
+    for node in nodes:
+        _check_node(tree, node)
+    _check_unique_pages(nodes)
+    _check_counters(tree, nodes)
+    _check_heap(tree, nodes)
+
+
+def _check_root(tree: RadixTree) -> None:
+    root = tree.root
+    _require(root.parent is None, "root has a parent")
+    _require(root.key == () and root.pages == [], "root holds a key or pages")
+    _require(root.lock_ref == 0, f"root lock_ref is {root.lock_ref}, expected 0")
+
+
+def _check_node(tree: RadixTree, node: TreeNode) -> None:
+    size, parent = tree.page_size, node.parent
+    where = f"node key={node.key[:8]}..."
+    _require(len(node.key) > 0, f"{where}: empty key below the root")
+    _require(len(node.key) % size == 0, f"{where}: key length {len(node.key)} not page-aligned")
+    _require(len(node.pages) * size == len(node.key), f"{where}: pages do not cover the key")
+    if parent is None:
+        raise AssertionError(f"{where}: reachable node has no parent")
+    _require(parent.children.get(node.key[:size]) is node, f"{where}: not under its first page")
+    _require(node.lock_ref >= 0, f"{where}: negative lock_ref {node.lock_ref}")
+    if parent is not tree.root:
+        _require(parent.lock_ref >= node.lock_ref, f"{where}: lock_ref exceeds parent's")
+
+
+def _check_unique_pages(nodes: list[TreeNode]) -> None:
+    seen: set[int] = set()
+    for node in nodes:
+        for page in node.pages:
+            _require(page not in seen, f"page {page} appears twice in the tree")
+            seen.add(page)
+
+
+def _check_counters(tree: RadixTree, nodes: list[TreeNode]) -> None:
+    cached = sum(node.num_pages for node in nodes)
+    protected = sum(node.num_pages for node in nodes if node.lock_ref > 0)
+    _require(tree._num_nodes == len(nodes), f"node count {tree._num_nodes} != {len(nodes)}")
+    _require(tree.cached_pages == cached, f"cached_pages {tree.cached_pages} != {cached}")
+    _require(tree.protected_pages == protected, f"protected {tree.protected_pages} != {protected}")
+    _require(
+        tree.evictable_pages + tree.protected_pages == tree.cached_pages,
+        "evictable_pages + protected_pages != cached_pages",
+    )
+
+
+def _check_heap(tree: RadixTree, nodes: list[TreeNode]) -> None:
+    """Every candidate leaf (unlocked, childless) has its newest entry in the heap."""
+    live = tree._heap.live_ids()
+    for node in nodes:
+        if tree._is_candidate(node):
+            _require(id(node) in live, f"candidate leaf {node.key[:8]} has no heap entry")

@@ -1,0 +1,272 @@
+"""The HTTP app (FastAPI): native routes here, OpenAI routes in openai_api.py.
+
+Native API (SGLang field names): ``POST /generate``, ``GET /health``,
+``GET /get_model_info``, ``POST /flush_cache``, ``GET /metrics`` (Prometheus).
+Every error is JSON: ``{"error": {"message", "type", "param", "code"}}``; malformed
+JSON and wrong types are HTTP 400 (FastAPI's 422 is mapped to 400, as OpenAI does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixlm.runtime.metrics import Metrics
+from radixlm.runtime.protocol import GenerateRequest
+from radixlm.runtime.tokenizer_manager import (
+    GenInput,
+    InvalidRequest,
+    SampleChunk,
+    SchedulerDied,
+    TokenizerManager,
+)
+
+__all__ = ["create_app", "error_response", "sse", "collect_until_disconnect"]
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   err_type: str = "invalid_request_error") -> JSONResponse:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg')}", None
+    prefix = f"{param}: " if param else ""
+    return f"{prefix}{first.get('msg')}", param
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def collect_until_disconnect(request: Request, chunks: AsyncIterator[SampleChunk]) -> list[SampleChunk]:
+    """Gather a whole generation; if the client disconnects first, stop (which aborts
+    the request in the scheduler) and raise asyncio.CancelledError."""
+    async def gather() -> list[SampleChunk]:
+        return [c async for c in chunks]
+
+    task = asyncio.ensure_future(gather())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await chunks.aclose()
+            raise asyncio.CancelledError("client disconnected")
+
+
+def create_app(tm: TokenizerManager, metrics: Metrics) -> FastAPI:
+    app = FastAPI(title="radixlm", version="0.1.0")
+    app.state.tm = tm
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    _install_native_routes(app, tm, metrics)
+    from radixlm.runtime.openai_api import install_openai_routes
+
+    install_openai_routes(app, tm, metrics)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
+        return error_response(400, exc.message, exc.param)
+
+    @app.exception_handler(SchedulerDied)
+    async def _died(_: Request, exc: SchedulerDied) -> JSONResponse:
+        return error_response(503, f"the scheduler process died: {exc}", err_type="server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), err_type="invalid_request_error")
+
+
+# --------------------------------------------------------------------------- native API
+def _native_inputs(tm: TokenizerManager, req: GenerateRequest) -> list[tuple[list[int], str]]:
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else req.text
+        return [(tm.encode(t), "text") for t in texts]
+    ids = req.input_ids
+    batch = ids if ids and isinstance(ids[0], list) else [ids]
+    return [(list(b), "input_ids") for b in batch]
+
+
+def _native_gens(tm: TokenizerManager, req: GenerateRequest) -> list[GenInput]:
+    inputs = _native_inputs(tm, req)
+    if not inputs:
+        raise InvalidRequest("the batch is empty", "text" if req.text is not None else "input_ids")
+    rids = [req.rid] if isinstance(req.rid, str) else (req.rid or [None] * len(inputs))
+    if len(rids) != len(inputs):
+        raise InvalidRequest("rid must have one entry per prompt", "rid")
+    sp = req.sampling_params
+    gens = []
+    for (ids, field), rid in zip(inputs, rids):
+        gen = GenInput(input_ids=ids, sampling=sp.to_sampling(), n=sp.n, return_logprob=req.return_logprob,
+                       logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+                       top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+                       stream=req.stream)
+        if rid:
+            gen.rid = rid
+        gens.append(tm.validate(gen, field))
+    return gens
+
+
+class _NativeResult:
+    """Accumulates one sample's chunks into SGLang's response shape."""
+
+    def __init__(self, tm: TokenizerManager, gen: GenInput, index: int, with_text: bool) -> None:
+        self.tm, self.gen, self.index, self.with_text = tm, gen, index, with_text
+        self.text, self.ids = "", []
+        self.logprobs: list[float] = []
+        self.top: list = []
+        self.last: SampleChunk | None = None
+        self.start = time.perf_counter()
+
+    def add(self, c: SampleChunk) -> None:
+        self.text += c.text
+        self.ids += c.token_ids
+        self.logprobs += c.logprobs or []
+        self.top += c.top_logprobs or []
+        if c.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top = c.prompt_logprobs, c.prompt_top_logprobs
+        self.last = c
+
+    def _tok(self, tid: int) -> str | None:
+        return self.tm.tokenizer.decode([tid]) if self.with_text else None
+
+    def _triples(self, lps: list, ids: list[int]) -> list:
+        return [[lp, t, self._tok(t)] for lp, t in zip(lps, ids)]
+
+    def _tops(self, tops: list) -> list:
+        return [None if t is None else [[lp, i, self._tok(i)] for i, lp in t] for t in tops]
+
+    def body(self) -> dict[str, Any]:
+        c = self.last
+        meta: dict[str, Any] = {
+            "id": f"{self.gen.rid}-{self.index}" if self.gen.n > 1 else self.gen.rid,
+            "prompt_tokens": c.prompt_tokens if c else len(self.gen.input_ids),
+            "completion_tokens": len(self.ids),
+            "cached_tokens": c.cached_tokens if c else 0,
+            "finish_reason": _native_finish(c),
+            "e2e_latency": time.perf_counter() - self.start,
+        }
+        if self.gen.return_logprob:
+            meta["output_token_logprobs"] = self._triples(self.logprobs, self.ids)
+            if self.gen.logprob_start_len >= 0:
+                start = self.gen.logprob_start_len
+                plp = getattr(self, "prompt_logprobs", None) or []
+                meta["input_token_logprobs"] = self._triples(plp, self.gen.input_ids[start:])
+                if self.gen.top_logprobs_num:
+                    meta["input_top_logprobs"] = self._tops(getattr(self, "prompt_top", None) or [])
+            if self.gen.top_logprobs_num:
+                meta["output_top_logprobs"] = self._tops(self.top)
+        return {"text": self.text, "output_ids": self.ids, "meta_info": meta}
+
+
+def _native_finish(c: SampleChunk | None) -> dict[str, Any] | None:
+    if c is None or c.finish_reason is None:
+        return None
+    if c.finish_reason == "stop":
+        return {"type": "stop", "matched": c.matched_stop}
+    if c.finish_reason == "length":
+        return {"type": "length", "length": c.completion_tokens}
+    return {"type": "abort", "message": c.error}
+
+
+def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead:
+            return error_response(503, f"scheduler died: {tm.dead}", err_type="server_error")
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        r = tm.ready
+        return {"model_path": r.model_dir, "served_model_name": tm.model_name, "tokenizer_path": r.model_dir,
+                "is_generation": True, "context_length": r.context_length, "page_size": r.page_size,
+                "max_total_tokens": r.max_total_tokens, "device": r.device, "dtype": r.dtype}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        out = await tm.flush_cache()
+        if out.success:
+            return Response("Cache flushed.\n", status_code=200)
+        return error_response(400, f"cache not flushed: {out.message}")
+
+    @app.get("/debug/check_invariants")
+    async def check_invariants() -> dict[str, Any]:
+        """Page/tree invariants checked in the scheduler now (200 even if violated)."""
+        out = await tm.check_invariants()
+        return {"ok": out.ok, "message": out.message, "num_live": out.num_live,
+                "free_pages": out.free_pages, "cached_pages": out.cached_pages,
+                "locked_pages": out.locked_pages, "violations": out.violations}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render(tm.stats)
+        return Response(body, media_type=content_type)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        gens = _native_gens(tm, body)
+        if body.stream:
+            return StreamingResponse(_native_stream(tm, gens, body, metrics), media_type="text/event-stream")
+        results = []
+        for gen in gens:
+            res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
+            for c in await collect_until_disconnect(request, tm.generate(gen)):
+                res[c.index].add(c)
+                metrics.observe_chunk(gen, c)
+            results += [r.body() for r in res]
+        single = len(gens) == 1 and gens[0].n == 1 and not isinstance(body.text, list) and not (
+            body.input_ids and isinstance(body.input_ids[0], list))
+        return JSONResponse(results[0] if single else results)
+
+
+async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: GenerateRequest,
+                         metrics: Metrics) -> AsyncIterator[bytes]:
+    """SGLang-style stream: each event carries the cumulative ``text`` and ``output_ids``
+    of one sample with its ``index``; then ``data: [DONE]``."""
+    base = 0
+    try:
+        for gen in gens:
+            res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
+            async for c in tm.generate(gen):
+                res[c.index].add(c)
+                metrics.observe_chunk(gen, c)
+                if c.text or c.finished:
+                    yield sse({**res[c.index].body(), "index": base + c.index})
+            base += gen.n
+    except SchedulerDied as exc:
+        yield sse({"error": {"message": str(exc), "type": "server_error", "code": 503}})
+    yield SSE_DONE
+
+
+Handler = Callable[..., Any]

@@ -1,0 +1,124 @@
+"""Paged KV memory: the page allocator and the per-layer K/V page pools.
+
+Dimension letters: P pages, S page size (tokens per page), K kv heads, D head dim,
+L layers.
+
+    KV pool, one layer:   k[P, S, K, D]   v[P, S, K, D]
+    logical position t of a request  ->  page_table[t // S], slot t % S
+
+    request tokens:  |<------------- seq_len ------------->|
+    pages:           [ page a ][ page b ][ page c ][ pg d..  ]   (any page ids, any order)
+
+Page 0 is reserved as a dummy (padding for batched page tables; never handed out), so a
+pool of ``num_pages`` pages can store ``(num_pages - 1) * page_size`` tokens.
+Memory per token = 2 (K and V) x L x K x D x bytes per element.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PageAllocator", "KVPool", "kv_bytes_per_token"]
+
+
+class PageAllocator:
+    """Hands out page ids 1..num_pages-1 (page 0 is the dummy page).
+
+    Contract: ``alloc(n)`` returns exactly ``n`` distinct ids or ``None`` (nothing taken)
+    when fewer than ``n`` are free; ``free(ids)`` gives ids back and raises ValueError on
+    a double free or an id out of range. Not thread-safe (the scheduler owns it).
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError("a pool needs at least 2 pages (page 0 is reserved)")
+        self.num_pages = num_pages
+        # Pop from the end: low ids first, so tests see predictable ids.
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._is_free = bytearray(num_pages)
+        for p in self._free:
+            self._is_free[p] = 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Allocatable pages (excludes the dummy page)."""
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        ids = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        for p in ids:
+            self._is_free[p] = 0
+        return ids[::-1]
+
+    def free(self, ids: list[int]) -> None:
+        for p in ids:
+            if not 0 < p < self.num_pages:
+                raise ValueError(f"page id {p} out of range")
+            if self._is_free[p]:
+                raise ValueError(f"double free of page {p}")
+            self._is_free[p] = 1
+        self._free.extend(reversed(ids))
+
+    def is_free(self, page: int) -> bool:
+        return bool(self._is_free[page])
+
+    def free_pages(self) -> set[int]:
+        return set(self._free)
+
+    def check_invariants(self) -> None:
+        """Free list has no duplicates, never holds page 0, matches the free bitmap."""
+        free = self._free
+        assert len(set(free)) == len(free), "duplicate page in free list"
+        assert 0 not in free, "dummy page 0 in free list"
+        assert sum(self._is_free) == len(free), "free bitmap out of sync with free list"
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes across all layers: 2 x L x K x D x elem size."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    """Per-layer K and V page pools, shape ``[P, S, K, D]`` each.
+
+    ``k[layer]`` and ``v[layer]`` are plain tensors; attention backends write into and
+    read from them through page tables. Page 0 is zero-filled padding.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_token * self.num_pages * self.page_size

@@ -1,0 +1,182 @@
+"""Typed messages between the tokenizer (HTTP) process and the scheduler process.
+
+One codec for all of them: msgspec msgpack with a tagged union, so a message's type
+travels with it and decoding never executes arbitrary code (no pickle).
+
+    tokenizer process                                scheduler process
+      GenerateReq / AbortReq / FlushCacheReq  ----->  (PULL)
+      (PULL)  <-----  BatchOutput / FlushCacheOut / SchedulerStats / SchedulerReady
+
+A request has one id (``rid``) end to end; with ``n > 1`` the tokenizer process sends
+one GenerateReq per sample (``rid-0 .. rid-(n-1)``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "SamplingParams",
+    "GenerateReq",
+    "AbortReq",
+    "FlushCacheReq",
+    "CheckInvariantsReq",
+    "CheckInvariantsOut",
+    "ReqOutput",
+    "BatchOutput",
+    "FlushCacheOut",
+    "SchedulerStats",
+    "SchedulerReady",
+    "SchedulerError",
+    "encode",
+    "decode",
+]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request sampling settings (SGLang / vLLM field names and meanings).
+
+    ``max_new_tokens`` counts generated tokens; ``temperature == 0`` is greedy;
+    ``top_k <= 0`` disables top-k; ``seed`` makes sampling reproducible per request.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class GenerateReq(msgspec.Struct, tag=True, kw_only=True):
+    """A tokenized request. ``logprob_start_len`` = first prompt position whose logprob is
+    returned (-1: no prompt logprobs)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+
+
+class FlushCacheReq(msgspec.Struct, tag=True):
+    pass
+
+
+class CheckInvariantsReq(msgspec.Struct, tag=True):
+    """Ask the scheduler to check pool/tree invariants now (debug endpoint, tests)."""
+
+
+class CheckInvariantsOut(msgspec.Struct, tag=True, kw_only=True):
+    ok: bool
+    message: str
+    num_live: int
+    free_pages: int
+    cached_pages: int
+    locked_pages: int
+    violations: list[str]  # found by --debug-invariants checks since start
+
+
+class ReqOutput(msgspec.Struct, kw_only=True):
+    """New tokens of one request since its last output (all lists aligned with
+    ``new_token_ids``). ``finish_reason`` is set on the last output of a request:
+    "stop" (EOS, stop token or stop string; ``matched_stop`` says which), "length",
+    or "abort" (``error`` says why)."""
+
+    rid: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Sent once, with the first output of a request that asked for prompt logprobs:
+    # logprob of prompt token i given tokens < i, for i >= logprob_start_len (first may be None).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+
+
+class BatchOutput(msgspec.Struct, tag=True):
+    outputs: list[ReqOutput]
+
+
+class FlushCacheOut(msgspec.Struct, tag=True):
+    success: bool
+    message: str = ""
+
+
+class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
+    """Sent after scheduler steps (rate-limited) for /metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_total_pages: int
+    kv_used_pages: int  # held by requests or the radix tree
+    kv_cached_pages: int  # held by the radix tree
+    prefill_tokens_computed: int  # cumulative
+    prefill_tokens_cached: int  # cumulative (skipped thanks to the radix cache)
+    decode_tokens: int  # cumulative
+    num_preemptions: int  # cumulative
+    num_evicted_pages: int  # cumulative
+
+
+class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):
+    """The scheduler's handshake once the model is loaded and the pool is sized."""
+
+    max_total_tokens: int
+    context_length: int
+    page_size: int
+    vocab_size: int
+    model_dir: str
+    device: str
+    dtype: str
+    kv_bytes: int
+
+
+class SchedulerError(msgspec.Struct, tag=True):
+    """The scheduler failed to start (sent instead of SchedulerReady)."""
+
+    message: str
+
+
+Message = (
+    GenerateReq
+    | AbortReq
+    | FlushCacheReq
+    | CheckInvariantsReq
+    | CheckInvariantsOut
+    | BatchOutput
+    | FlushCacheOut
+    | SchedulerStats
+    | SchedulerReady
+    | SchedulerError
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Raises msgspec.DecodeError on bytes that are not a known message."""
+    return _decoder.decode(data)

@@ -1,0 +1,81 @@
+"""Prometheus metrics of the tokenizer process (prometheus-client, one registry per app).
+
+Request-level counters and latency histograms are observed here; scheduler-side numbers
+(queue lengths, KV pool usage, prefix-cache hit rate) come from the scheduler's periodic
+SchedulerStats message and are exported as gauges on each scrape. Names use the
+``radixlm:`` prefix, as SGLang uses ``sglang:``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from radixlm.runtime.messages import SchedulerStats
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        label = {"model_name": model_name}
+        r = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"radixlm:{name}", doc, ("model_name", *extra), registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"radixlm:{name}", doc, ("model_name",), registry=r).labels(**label)
+
+        self._requests = counter("requests_total", "Finished requests (samples).", ("finish_reason",))
+        self.model_name = model_name
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished samples.").labels(**label)
+        self.generation_tokens = counter("generation_tokens_total", "Generated tokens.").labels(**label)
+        self.cached_tokens = counter("cached_tokens_total", "Prompt tokens reused from the radix cache.").labels(**label)
+        self.ttft = Histogram("radixlm:time_to_first_token_seconds", "Time to first token.",
+                              ("model_name",), buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
+        self.e2e = Histogram("radixlm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             ("model_name",), buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
+        self.num_running = gauge("num_running_reqs", "Requests in the running batch.")
+        self.num_waiting = gauge("num_queue_reqs", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage", "Fraction of KV pages in use (requests + radix tree).")
+        self.kv_cached = gauge("kv_cache_cached_pages", "KV pages held by the radix tree.")
+        self.kv_total = gauge("kv_cache_total_pages", "Allocatable KV pages.")
+        self.hit_rate = gauge("cache_hit_rate", "Prefix-cache token hit rate: cached / prompt tokens.")
+        self.preemptions = gauge("num_preemptions_total", "Requests preempted so far.")
+        self.evicted = gauge("evicted_pages_total", "Radix-tree pages evicted so far.")
+        self._started: dict[str, float] = {}
+        self._first: set[str] = set()
+
+    def observe_chunk(self, gen, chunk) -> None:
+        key = f"{gen.rid}-{chunk.index}"
+        now = time.perf_counter()
+        start = self._started.setdefault(key, getattr(gen, "created", now))
+        if key not in self._first and (chunk.token_ids or chunk.finished):
+            self._first.add(key)
+            self.ttft.observe(now - start)
+        if chunk.finished:
+            self._requests.labels(model_name=self.model_name, finish_reason=chunk.finish_reason).inc()
+            self.prompt_tokens.inc(chunk.prompt_tokens)
+            self.generation_tokens.inc(chunk.completion_tokens)
+            self.cached_tokens.inc(chunk.cached_tokens)
+            self.e2e.observe(now - start)
+            self._started.pop(key, None)
+            self._first.discard(key)
+
+    def render(self, stats: SchedulerStats | None) -> tuple[bytes, str]:
+        if stats is not None:
+            self.num_running.set(stats.num_running)
+            self.num_waiting.set(stats.num_waiting)
+            self.kv_usage.set(stats.kv_used_pages / max(stats.kv_total_pages, 1))
+            self.kv_cached.set(stats.kv_cached_pages)
+            self.kv_total.set(stats.kv_total_pages)
+            seen = stats.prefill_tokens_computed + stats.prefill_tokens_cached
+            self.hit_rate.set(stats.prefill_tokens_cached / seen if seen else 0.0)
+            self.preemptions.set(stats.num_preemptions)
+            self.evicted.set(stats.num_evicted_pages)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

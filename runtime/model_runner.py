@@ -1,0 +1,210 @@
+"""ModelRunner: owns the model and the KV pool; executes a ScheduleDecision.
+
+Phases of one step: ``prepare`` (ForwardBatch from the decision, choosing which rows
+need logits), ``forward`` (model over the pages), ``sample`` (next tokens of requests
+that reached the end of their sequence) and ``prompt_logprobs`` (rows of prompts that
+asked for them).
+
+Which rows get logits, for an item feeding positions [start, start + n) of a prompt of
+length P with ``logprob_start_len`` = s (logits at position p score token p + 1):
+
+    positions:   start ................................ start+n-1
+    prompt rows: p with s <= p+1 < P          (token p+1's prompt logprob)
+    sample row:  start+n-1, if start+n == seq_len  (next token)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from radixlm.runtime import messages as m
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.memory_pool import KVPool, kv_bytes_per_token
+from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
+from radixlm.runtime.request import Req
+from radixlm.runtime.sampling import SamplingBatch, SamplingInfo, sample
+from radixlm.runtime.schedule_policy import ScheduleDecision, ScheduleItem
+from radixlm.runtime.server_args import ServerArgs
+
+__all__ = ["ItemResult", "ModelRunner", "resolve_device"]
+
+logger = logging.getLogger("radixlm.model_runner")
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+
+
+@dataclass
+class ItemResult:
+    """What one ScheduleItem produced (aligned with decision.items)."""
+
+    next_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.device = resolve_device(args.device)
+        if self.device.type == "cpu":  # leave a core to the HTTP process: oversubscribed
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # threads spin 10x slower
+        self.model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.model = load_model(self.model_dir, self.dtype, self.device, args.attention_backend)
+        self.config = self.model.config
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or self.model_dir)
+        self.eos_token_ids = _eos_token_ids(self.model_dir, self.config, self.tokenizer)
+        self.context_length = args.context_length or int(self.config.max_position_embeddings)
+        self.vocab_size = int(self.config.vocab_size)
+        self.page_size = args.page_size
+        cfg = self.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_pages = self._size_pool()
+        self.pool = KVPool(self.num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                           self.head_dim, self.dtype, self.device)
+        self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
+        logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s)", self.num_pages - 1,
+                    self.page_size, (self.num_pages - 1) * self.page_size, self.pool.total_bytes / 2**20,
+                    self.dtype, self.device)
+
+    def _size_pool(self) -> int:
+        """Pages (including the dummy page 0) from --max-total-tokens or the memory fraction."""
+        cfg, args = self.config, self.args
+        per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, self.dtype)
+        tokens = args.max_total_tokens
+        if tokens is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * args.mem_fraction_static - (total - free)
+            tokens = int(budget // per_token)
+        if tokens is None:
+            tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
+        pages = tokens // self.page_size
+        if pages < 1:
+            raise RuntimeError(f"no memory left for the KV cache ({per_token} bytes per token)")
+        return pages + 1
+
+    def ready_message(self) -> m.SchedulerReady:
+        return m.SchedulerReady(
+            max_total_tokens=(self.num_pages - 1) * self.page_size, context_length=self.context_length,
+            page_size=self.page_size, vocab_size=self.vocab_size, model_dir=str(self.model_dir),
+            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), kv_bytes=self.pool.total_bytes,
+        )
+
+    # ----------------------------------------------------------------- one step
+    @torch.inference_mode()
+    def execute(self, decision: ScheduleDecision) -> list[ItemResult]:
+        batch, rows = self.prepare(decision.items)
+        hidden = self.model.forward(batch, self.pool)
+        logits = self.model.compute_logits(hidden)  # [N, V] float32
+        results = [ItemResult() for _ in decision.items]
+        self._prompt_logprobs(decision.items, rows, logits, results)
+        self._sample(decision.items, rows, logits, results)
+        return results
+
+    def prepare(self, items: list[ScheduleItem]) -> tuple[ForwardBatch, list[tuple[list[int], int | None]]]:
+        """ForwardBatch + for each item (its prompt-logprob rows, its sample row)."""
+        tokens, rows, flat, base = [], [], [], 0
+        for it in items:
+            ids = it.req.all_ids[it.start : it.start + it.num_tokens]
+            tokens.append(ids)
+            prompt_rows = [base + p - it.start for p in self._prompt_positions(it)]
+            sample_row = base + it.num_tokens - 1 if it.samples else None
+            rows.append((list(range(len(flat), len(flat) + len(prompt_rows))),
+                         None if sample_row is None else len(flat) + len(prompt_rows)))
+            flat += prompt_rows + ([sample_row] if sample_row is not None else [])
+            base += it.num_tokens
+        batch = ForwardBatch.build(tokens, [it.start for it in items], [it.req.pages for it in items],
+                                   flat, self.page_size, self.device)
+        return batch, rows
+
+    @staticmethod
+    def _prompt_positions(it: ScheduleItem) -> range:
+        req = it.req
+        if not req.wants_prompt_logprobs:
+            return range(0)
+        first = max(req.logprob_start_len, it.start + 1) - 1
+        last = min(it.start + it.num_tokens, len(req.prompt_ids) - 1)
+        return range(first, last)
+
+    def _prompt_logprobs(self, items: list[ScheduleItem], rows, logits: torch.Tensor,
+                         results: list[ItemResult]) -> None:
+        for it, (prompt_rows, _), res in zip(items, rows, results):
+            positions = self._prompt_positions(it)
+            req = it.req
+            lead = [None] if req.wants_prompt_logprobs and it.start == 0 and req.logprob_start_len == 0 else []
+            if not positions and not lead:
+                continue
+            lps = torch.log_softmax(logits[prompt_rows], dim=-1)  # [n, V]
+            targets = torch.tensor([req.prompt_ids[p + 1] for p in positions], device=lps.device)
+            chosen = lps.gather(1, targets[:, None]).squeeze(1).tolist() if len(positions) else []
+            res.prompt_logprobs = lead + chosen
+            if req.top_logprobs_num:
+                res.prompt_top_logprobs = [None] * len(lead) + _top(lps, req.top_logprobs_num)
+
+    def _sample(self, items: list[ScheduleItem], rows, logits: torch.Tensor, results: list[ItemResult]) -> None:
+        picks = [(i, r) for i, (_, r) in enumerate(rows) if r is not None]
+        if not picks:
+            return
+        reqs = [items[i].req for i, _ in picks]
+        infos = [_sampling_info(req) for req in reqs]
+        top_k = max(req.top_logprobs_num for req in reqs)
+        sb = SamplingBatch.build(infos, self.device)
+        out = sample(logits[[r for _, r in picks]], sb, self.generator, top_k_logprobs=top_k)
+        next_ids, lps = out.next_ids.tolist(), out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for k, ((i, _), req) in enumerate(zip(picks, reqs)):
+            res = results[i]
+            res.next_id, res.logprob = next_ids[k], lps[k]
+            if top_ids is not None and req.top_logprobs_num:
+                n = req.top_logprobs_num
+                res.top_logprobs = list(zip(top_ids[k][:n], top_lps[k][:n]))
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    top = logprobs.topk(k, dim=-1)
+    return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+
+
+def _sampling_info(req: Req) -> SamplingInfo:
+    sp = req.sampling
+    return SamplingInfo(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+        repetition_penalty=sp.repetition_penalty, frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty, seed=sp.seed, step=len(req.output_ids),
+        output_ids=req.output_ids, prompt_ids=req.prompt_ids,
+    )
+
+
+def _eos_token_ids(model_dir: str, config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(config, "eos_token_id", None))
+    add(tokenizer.eos_token_id)
+    gen_cfg = Path(model_dir) / "generation_config.json"
+    if gen_cfg.exists():
+        add(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+    return ids

@@ -1,0 +1,308 @@
+"""Llama (and Qwen2) decoder in plain PyTorch, over a paged KV cache.
+
+Dimension letters: T new tokens in the pass, N rows whose logits are wanted, E hidden size,
+F MLP intermediate size, H query heads, K kv heads, D head dim, V vocab size.
+
+Per layer::
+
+    x -> RMSNorm -> qkv_proj -> RoPE(q, k) -> attn_backend (stores k/v, paged attention)
+      -> o_proj -> +x -> RMSNorm -> gate_up_proj -> SiLU(gate) * up -> down_proj -> +x
+
+q/k/v projections are merged into one matmul (``qkv_proj``) and gate/up into one
+(``gate_up_proj``); ``load_weights`` maps Hugging Face checkpoint names onto them.
+RoPE uses the Hugging Face (GPT-NeoX, rotate-half) layout with "default", "linear" and
+"llama3" frequency scaling. Qwen2 is Llama with biases on q/k/v.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.runtime.attention import AttentionBackend
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.memory_pool import KVPool
+
+__all__ = ["LlamaForCausalLM", "Qwen2ForCausalLM", "RMSNorm", "RotaryEmbedding", "rope_parameters"]
+
+# HF checkpoint name fragment -> (our merged parameter fragment, shard index).
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, normalised in float32 like Hugging Face."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, E] -> [T, E], same dtype."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """RoPE settings as one dict with ``rope_type`` and ``rope_theta``.
+
+    Reads ``config.rope_parameters`` (transformers >= 5) or ``config.rope_scaling`` +
+    ``config.rope_theta`` (older).
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths / factor, short kept, smooth between."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """[D/2] float32 inverse frequencies on the CPU."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the new tokens' positions (rotate-half layout)."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: built on the CPU even under a meta-device
+        # context, moved to the compute device on first use.
+        self._inv_freq = _inv_freq(head_dim, params)  # [D/2] float32
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> (cos, sin), each [T, D] in ``dtype``."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D] -> rotated [T, H, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+    return x * cos + _rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: Any, layer_id: int, backend: AttentionBackend, qkv_bias: bool
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_backend = backend
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """x [T, E] -> [T, E]; stores this layer's new K/V into ``pool``."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)  # [T, H*D], [T, K*D] x2
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool)  # [T, H, D]
+        return self.o_proj(o.reshape(num_tokens, -1))  # [T, H*D] -> [T, E]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
+        return self.down_proj(F.silu(gate) * up)  # [T, E]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, layer_id: int, backend: AttentionBackend, qkv_bias: bool
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, backend, qkv_bias)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend, qkv_bias) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config))
+
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """All layers over the batch's new tokens; returns normed hidden states [N, E] of
+        ``batch.logits_rows`` (the norm is per row, so only those rows are normed)."""
+        x = self.embed_tokens(batch.input_ids)  # [T, E]
+        cos, sin = self.rotary_emb(batch.positions, x.dtype)  # [T, D] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, pool)
+        return self.norm(x[batch.logits_rows])  # [N, E]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` returns hidden states, ``compute_logits`` the logits."""
+
+    qkv_bias = False
+
+    def __init__(self, config: Any, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.attn_backend = attn_backend
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config, attn_backend, self.qkv_bias)
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Run the batch (writing its K/V into ``pool``) -> hidden states [N, E] of
+        ``batch.logits_rows``, in the model dtype."""
+        self.attn_backend.prepare(batch, pool)
+        return self.model(batch, pool)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, E] -> logits [N, V] float32."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (merged) parameters.
+
+        Raises ValueError on an unknown name, a shape mismatch or a missing tensor.
+        """
+        params = dict(self.named_parameters())
+        missing = {key for name in params for key in self._expected_keys(name)}
+        for name, tensor in weights:
+            if "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, shard = self._locate(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+            dst = params[target].data
+            if shard is not None:
+                dst = dst[self._shard_rows(target, shard)]
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            missing.discard((target, shard))
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {sorted(map(str, missing))[:8]}")
+
+    @staticmethod
+    def _locate(name: str) -> tuple[str, int | None]:
+        """HF name -> (our parameter name, shard index within a merged parameter or None)."""
+        for fragment, (merged, shard) in _STACKED.items():
+            if fragment in name:
+                return name.replace(fragment, merged), shard
+        return name, None
+
+    @staticmethod
+    def _expected_keys(param_name: str) -> list[tuple[str, int | None]]:
+        """(name, shard) pairs a checkpoint must provide for one of our parameters."""
+        if ".qkv_proj." in param_name:
+            return [(param_name, s) for s in range(3)]
+        if ".gate_up_proj." in param_name:
+            return [(param_name, s) for s in range(2)]
+        return [(param_name, None)]
+
+    def _shard_rows(self, target: str, shard: int) -> slice:
+        """Rows of merged parameter ``target`` that hold shard ``shard``."""
+        if ".qkv_proj." in target:
+            sizes = self.model.layers[0].self_attn.split_sizes  # [H*D, K*D, K*D]
+        else:
+            sizes = [self.config.intermediate_size] * 2  # [F, F]
+        start = sum(sizes[:shard])
+        return slice(start, start + sizes[shard])
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on the q/k/v projections (no sliding window support)."""
+
+    qkv_bias = True
+
+    def __init__(self, config: Any, attn_backend: AttentionBackend) -> None:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen2 with use_sliding_window=True is not supported")
+        super().__init__(config, attn_backend)
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

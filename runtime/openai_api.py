@@ -1,0 +1,259 @@
+"""OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``; the official ``openai`` client drives them unchanged.
+
+Policies (documented in the README):
+- ``max_tokens`` (and ``max_completion_tokens``) must be >= 1; a request whose prompt +
+  ``max_tokens`` exceeds the context is clamped to the context (``finish_reason="length"``).
+- ``usage.prompt_tokens`` counts each prompt once, whatever ``n``;
+  ``completion_tokens`` sums over choices; ``prompt_tokens_details.cached_tokens`` is
+  the prompt tokens that choice 0 reused from the radix cache (what an n=1 request would
+  report), summed over prompts.
+- ``stream_options.include_usage``: one extra chunk with ``choices: []`` and the usage,
+  just before ``data: [DONE]``; every other chunk then carries ``usage: null``.
+  ``stream_options`` with ``stream=false`` is ignored.
+- The ``developer`` role is rendered as ``system``; unknown roles are HTTP 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixlm.runtime.http_server import SSE_DONE, collect_until_disconnect, sse
+from radixlm.runtime.metrics import Metrics
+from radixlm.runtime.protocol import ChatCompletionRequest, CompletionRequest
+from radixlm.runtime.tokenizer_manager import (
+    GenInput,
+    InvalidRequest,
+    SampleChunk,
+    SchedulerDied,
+    TokenizerManager,
+)
+
+__all__ = ["install_openai_routes"]
+
+
+def _check_model(tm: TokenizerManager, name: str) -> None:
+    if name not in _model_names(tm):
+        raise InvalidRequest(f"model {name!r} does not exist; this server serves {tm.model_name!r}", "model")
+
+
+def _model_names(tm: TokenizerManager) -> set[str]:
+    return {tm.model_name, "default", tm.ready.model_dir}
+
+
+def _finish(c: SampleChunk) -> str:
+    return "stop" if c.finish_reason == "stop" else "length" if c.finish_reason == "length" else "abort"
+
+
+class _Choice:
+    """Accumulates one choice (one sample of one prompt)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = ""
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.last: SampleChunk | None = None
+
+    def add(self, c: SampleChunk) -> None:
+        self.text += c.text
+        self.ids += c.token_ids
+        self.logprobs += c.logprobs or []
+        self.top += c.top_logprobs or []
+        self.last = c
+
+
+class _Usage:
+    def __init__(self) -> None:
+        self.prompt = self.completion = self.cached = 0
+
+    def add(self, c: SampleChunk) -> None:
+        if c.finished:
+            self.completion += c.completion_tokens
+            if c.index == 0:
+                self.prompt += c.prompt_tokens
+                self.cached += c.cached_tokens
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+
+# ----------------------------------------------------------------------------- logprobs
+def _tok(tm: TokenizerManager, tid: int) -> str:
+    return tm.tokenizer.decode([tid])
+
+
+def _completion_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float], tops: list,
+                         offset: int) -> dict[str, Any]:
+    tokens = [_tok(tm, t) for t in ids]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top = [{_tok(tm, i): lp for i, lp in t} for t in tops] if tops else None
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float], tops: list) -> dict[str, Any]:
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        s = _tok(tm, tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for k, (tid, lp) in enumerate(zip(ids, lps)):
+        e = entry(tid, lp)
+        e["top_logprobs"] = [entry(i, v) for i, v in tops[k]] if k < len(tops) else []
+        content.append(e)
+    return {"content": content}
+
+
+# ----------------------------------------------------------------------------- requests
+def _completion_prompts(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tm.encode(prompt)]
+    if not prompt:
+        raise InvalidRequest("prompt is empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], str):
+        return [tm.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def _completion_gens(tm: TokenizerManager, body: CompletionRequest) -> list[GenInput]:
+    _check_model(tm, body.model)
+    gens = []
+    for ids in _completion_prompts(tm, body.prompt):
+        gen = GenInput(input_ids=ids, sampling=body.to_sampling(body.max_tokens), n=body.n,
+                       return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0,
+                       stream=body.stream)
+        gens.append(tm.validate(gen, "prompt"))
+    return gens
+
+
+def _chat_gen(tm: TokenizerManager, body: ChatCompletionRequest) -> GenInput:
+    _check_model(tm, body.model)
+    ids = tm.apply_chat_template(body.template_messages(), body.add_generation_prompt, body.tools)
+    max_new = body.max_new_tokens or tm.context_length  # clamped to the context by validate()
+    gen = GenInput(input_ids=ids, sampling=body.to_sampling(max_new), n=body.n,
+                   return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
+                   stream=body.stream)
+    return tm.validate(gen, "messages")
+
+
+# ----------------------------------------------------------------------------- routes
+def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": tm.model_name, "object": "model", "created": 0, "owned_by": "radixlm",
+                "root": tm.ready.model_dir, "max_model_len": tm.context_length}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        gens = _completion_gens(tm, body)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            stream = _stream(tm, metrics, gens, body, rid, created, chat=False)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        choices, usage = await _run_all(tm, metrics, gens, request)
+        out = []
+        for ch in choices:
+            lp = (_completion_logprobs(tm, ch.ids, ch.logprobs, ch.top if body.logprobs else [], 0)
+                  if body.logprobs is not None else None)
+            out.append({"index": ch.index, "text": ch.text, "logprobs": lp, "finish_reason": _finish(ch.last)})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                             "model": tm.model_name, "choices": out, "usage": usage.body()})
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        gen = _chat_gen(tm, body)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            stream = _stream(tm, metrics, [gen], body, rid, created, chat=True)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        choices, usage = await _run_all(tm, metrics, [gen], request)
+        out = []
+        for ch in choices:
+            lp = _chat_logprobs(tm, ch.ids, ch.logprobs, ch.top) if body.logprobs else None
+            out.append({"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+                        "logprobs": lp, "finish_reason": _finish(ch.last)})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                             "model": tm.model_name, "choices": out, "usage": usage.body()})
+
+
+async def _run_all(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput],
+                   request: Request) -> tuple[list[_Choice], _Usage]:
+    choices: list[_Choice] = []
+    usage = _Usage()
+    for gen in gens:
+        base = len(choices)
+        choices += [_Choice(base + i) for i in range(gen.n)]
+        for c in await collect_until_disconnect(request, tm.generate(gen)):
+            choices[base + c.index].add(c)
+            usage.add(c)
+            metrics.observe_chunk(gen, c)
+    return choices, usage
+
+
+async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], body: Any, rid: str,
+                  created: int, chat: bool) -> AsyncIterator[bytes]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    usage, base = _Usage(), 0
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        payload = {"id": rid, "object": obj, "created": created, "model": tm.model_name, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+    try:
+        for gen in gens:
+            offsets = [0] * gen.n
+            if chat:
+                for i in range(gen.n):
+                    yield chunk({"index": base + i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None})
+            pending: list[_Choice] = [_Choice(i) for i in range(gen.n)]  # tokens not yet sent
+            async for c in tm.generate(gen):
+                metrics.observe_chunk(gen, c)
+                usage.add(c)
+                p = pending[c.index]
+                p.add(c)
+                if p.text:
+                    yield chunk(_stream_choice(tm, body, p, base, offsets, chat, None))
+                    offsets[c.index] += len(p.text)
+                    pending[c.index] = p = _Choice(c.index)
+                if c.finished:
+                    yield chunk(_stream_choice(tm, body, p, base, offsets, chat, _finish(c)))
+            base += gen.n
+    except SchedulerDied as exc:
+        yield sse({"error": {"message": str(exc), "type": "server_error", "code": 503}})
+        return
+    if include_usage:
+        yield sse({"id": rid, "object": obj, "created": created, "model": tm.model_name,
+                   "choices": [], "usage": usage.body()})
+    yield SSE_DONE
+
+
+def _stream_choice(tm: TokenizerManager, body: Any, p: _Choice, base: int, offsets: list[int],
+                   chat: bool, finish: str | None) -> dict[str, Any]:
+    """One streamed choice carrying ``p``'s text and the logprobs of its tokens."""
+    if chat:
+        lp = _chat_logprobs(tm, p.ids, p.logprobs, p.top) if body.logprobs else None
+        delta = {"content": p.text} if p.text else {}
+        return {"index": base + p.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+    lp = None
+    if body.logprobs is not None:
+        lp = _completion_logprobs(tm, p.ids, p.logprobs, p.top, offsets[p.index])
+    return {"index": base + p.index, "text": p.text, "logprobs": lp, "finish_reason": finish}

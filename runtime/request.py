@@ -1,0 +1,101 @@
+"""Req: the scheduler's state of one request (one sample; n > 1 arrives as n requests).
+
+A request is a token sequence ``prompt + output`` whose KV is computed left to right.
+``num_computed`` tokens have KV in ``pages``; the next forward pass feeds the tokens
+after that. The last token of the sequence is always fed (its KV is written and its
+logits sample the next token).
+
+    all_ids:   [ prompt ............................ | output ........ ]
+    KV:        [ tree pages (shared) | own pages ...........  |        ]
+               ^0          num_tree_pages*S      num_computed^  len(all_ids)^
+
+Preemption by recompute frees the KV (``num_computed`` back to 0); on resume the
+request is re-admitted like a new one whose prompt is ``all_ids``, so the radix tree
+usually still holds most of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.runtime.messages import GenerateReq, SamplingParams
+
+__all__ = ["Req"]
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    arrival: float = 0.0
+
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_tree_pages: int = 0  # leading pages of `pages` owned by the radix tree
+    tree_node: Any = None  # radix node locked by this request (None: nothing locked)
+    cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
+    admitted: bool = False
+
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+
+    # Output bookkeeping.
+    num_sent: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    last_scheduled_step: int = 0
+
+    @classmethod
+    def from_message(cls, msg: GenerateReq, arrival: float) -> Req:
+        return cls(
+            rid=msg.rid,
+            prompt_ids=list(msg.input_ids),
+            sampling=msg.sampling,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+            stream=msg.stream,
+            arrival=arrival,
+        )
+
+    # ----------------------------------------------------------------- sequence views
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to feed before the next sample (1 while decoding)."""
+        return self.seq_len - self.num_computed
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the whole prompt has its KV (output may exist after a preemption)."""
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str, matched: int | str | None = None, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.matched_stop, self.error = reason, matched, error

@@ -1,0 +1,265 @@
+"""The scheduler process: owns the model, the KV pool and the radix tree.
+
+Request lifecycle (docs/ARCHITECTURE.md has the long form):
+  1. receive a tokenized GenerateReq (already validated by the tokenizer process);
+  2. the planner admits it: page-aligned prefix match in the radix tree, lock, page table
+     starts with the shared pages (``cached_tokens`` = matched length);
+  3. each step the planner advances requests under the token budget (chunked prefill,
+     decode) and the model runner executes the decision (forward + sample);
+  4. after its prompt is computed a request's full pages are inserted into the tree so
+     concurrent requests share them; on finish the rest is inserted, unlocked and freed;
+  5. under memory pressure unlocked leaves are evicted, then requests preempted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from radixlm.radix import RadixTree
+from radixlm.runtime import messages as m
+from radixlm.runtime.ipc import MsgSocket
+from radixlm.runtime.memory_pool import PageAllocator
+from radixlm.runtime.model_runner import ItemResult, ModelRunner
+from radixlm.runtime.prefix_cache import PrefixCache
+from radixlm.runtime.request import Req
+from radixlm.runtime.schedule_policy import BatchPlanner, ScheduleDecision
+from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.stop_checker import StopChecker
+
+__all__ = ["Scheduler", "run_scheduler_process"]
+
+logger = logging.getLogger("radixlm.scheduler")
+STATS_INTERVAL_S = 0.5
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: ModelRunner) -> None:
+        self.args = args
+        self.runner = runner
+        self.allocator = PageAllocator(runner.num_pages)
+        tree = None if args.disable_radix_cache else RadixTree(args.page_size)
+        self.cache = PrefixCache(self.allocator, tree, args.page_size)
+        self.planner = BatchPlanner(
+            self.cache,
+            max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_running_requests=args.max_running_requests,
+            enable_prefix_reuse=not args.disable_radix_cache,
+        )
+        self.stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids, runner.context_length)
+        self.reqs: dict[str, Req] = {}
+        self.outbox: list[m.ReqOutput] = []
+        self.control_out: list[Any] = []
+        self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0)
+        self._last_stats = 0.0
+        self.violations: list[str] = []
+
+    # ----------------------------------------------------------------- messages
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, m.GenerateReq):
+            self._on_generate(msg)
+        elif isinstance(msg, m.AbortReq):
+            self._on_abort(msg.rid)
+        elif isinstance(msg, m.FlushCacheReq):
+            ok = not self.reqs and self.cache.flush()
+            reason = "" if ok else "requests are running; flush when idle"
+            self.control_out.append(m.FlushCacheOut(success=ok, message=reason))
+        elif isinstance(msg, m.CheckInvariantsReq):
+            self.control_out.append(self._invariants_report())
+        else:
+            logger.warning("unexpected message %s", type(msg).__name__)
+
+    def _on_generate(self, msg: m.GenerateReq) -> None:
+        if msg.rid in self.reqs:
+            self.outbox.append(m.ReqOutput(rid=msg.rid, new_token_ids=[], finish_reason="abort",
+                                           error=f"duplicate request id {msg.rid!r}"))
+            return
+        req = Req.from_message(msg, arrival=time.monotonic())
+        self.reqs[req.rid] = req
+        if req.sampling.max_new_tokens == 0 and not req.wants_prompt_logprobs:
+            req.finish("length")
+            self._finish(req)
+            return
+        self.planner.add(req)
+
+    def _on_abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is not None:
+            req.finish("abort", error="aborted by the client")
+            self._finish(req)
+
+    # ----------------------------------------------------------------- one step
+    def step(self) -> bool:
+        """Plan and run one forward pass. Returns False if there was nothing to do."""
+        decision = self.planner.plan()
+        for req in decision.out_of_memory:
+            req.finish("length", error="KV cache pool is full")
+            self._finish(req)
+        if not decision.items:
+            return False
+        results = self.runner.execute(decision)
+        self._process_results(decision, results)
+        if self.args.debug_invariants:
+            self._debug_check("after step")
+        return True
+
+    def _process_results(self, decision: ScheduleDecision, results: list[ItemResult]) -> None:
+        for item, res in zip(decision.items, results, strict=True):
+            req = item.req
+            was_prefill = req.in_prefill
+            req.num_computed += item.num_tokens
+            self._count(req, item.num_tokens, was_prefill)
+            if res.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(res.prompt_logprobs)
+                req.prompt_top_logprobs.extend(res.prompt_top_logprobs or [None] * len(res.prompt_logprobs))
+            if was_prefill and not req.in_prefill:
+                self.cache.cache(req)  # share the prompt's pages with later requests now
+                if not req.output_ids:  # first time through the prompt (not a recompute)
+                    self.counters["prefill_cached"] += req.cached_tokens
+            if res.next_id is not None:
+                self._append_token(req, res)
+            if req.finished:
+                self._finish(req)
+            elif req.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
+                self._emit(req)
+
+    def _count(self, req: Req, n: int, was_prefill: bool) -> None:
+        if was_prefill:
+            self.counters["prefill_computed"] += n
+        else:
+            self.counters["decode"] += n
+
+    def _append_token(self, req: Req, res: ItemResult) -> None:
+        if req.sampling.max_new_tokens == 0:  # prompt scoring only
+            req.finish("length")
+            return
+        req.output_ids.append(res.next_id)
+        if req.return_logprob:
+            req.output_logprobs.append(res.logprob)
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(res.top_logprobs or [])
+        verdict = self.stop_checker.check(req)
+        if verdict is not None:
+            req.finish(*verdict)
+
+    def _finish(self, req: Req) -> None:
+        self.planner.remove(req)
+        self.reqs.pop(req.rid, None)
+        if req.finish_reason != "abort" or req.error != "aborted by the client":
+            self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        new = slice(req.num_sent, len(req.output_ids))
+        out = m.ReqOutput(
+            rid=req.rid,
+            new_token_ids=req.output_ids[new],
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
+            finish_reason=req.finish_reason,
+            matched_stop=req.matched_stop,
+            error=req.error,
+        )
+        if req.return_logprob:
+            out.new_logprobs = req.output_logprobs[new]
+            if req.top_logprobs_num:
+                out.new_top_logprobs = req.output_top_logprobs[new]
+            if not req.prompt_logprobs_sent and req.wants_prompt_logprobs:
+                out.prompt_logprobs = req.prompt_logprobs
+                out.prompt_top_logprobs = req.prompt_top_logprobs if req.top_logprobs_num else None
+                req.prompt_logprobs_sent = True
+        req.num_sent = len(req.output_ids)
+        self.outbox.append(out)
+
+    # ----------------------------------------------------------------- stats / checks
+    def stats(self) -> m.SchedulerStats:
+        return m.SchedulerStats(
+            num_running=len(self.planner.running),
+            num_waiting=len(self.planner.waiting),
+            kv_total_pages=self.allocator.capacity,
+            kv_used_pages=self.cache.used_pages,
+            kv_cached_pages=self.cache.cached_pages,
+            prefill_tokens_computed=self.counters["prefill_computed"],
+            prefill_tokens_cached=self.counters["prefill_cached"],
+            decode_tokens=self.counters["decode"],
+            num_preemptions=self.planner.num_preemptions,
+            num_evicted_pages=self.cache.num_evicted_pages,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if page accounting or the radix tree is inconsistent."""
+        self.cache.check_invariants(self.planner.live)
+
+    def _debug_check(self, when: str) -> None:
+        try:
+            self.check_invariants()
+        except AssertionError as exc:  # log and record, never kill the server
+            logger.error("invariant violated %s: %s", when, exc)
+            self.violations.append(f"{when}: {exc}")
+
+    def _invariants_report(self) -> m.CheckInvariantsOut:
+        try:
+            self.check_invariants()
+            ok, message = True, ""
+        except AssertionError as exc:
+            ok, message = False, str(exc)
+        tree = self.cache.tree
+        return m.CheckInvariantsOut(
+            ok=ok, message=message, num_live=len(self.planner.live), free_pages=self.allocator.num_free,
+            cached_pages=self.cache.cached_pages, locked_pages=tree.protected_pages if tree else 0,
+            violations=list(self.violations))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.planner.running or self.planner.waiting)
+
+    # ----------------------------------------------------------------- event loop
+    def run_forever(self, recv: MsgSocket, send: MsgSocket, parent_pid: int | None = None) -> None:
+        while True:
+            if parent_pid is not None and os.getppid() != parent_pid:
+                logger.error("parent process is gone; exiting")
+                return
+            timeout = 0 if self.has_work else 50
+            msg = recv.recv(timeout_ms=timeout)
+            msgs = ([msg] if msg is not None else []) + recv.recv_all()
+            for msg in msgs:
+                self.handle(msg)
+            worked = self.step()
+            self._flush(send)
+            if not worked and not self.has_work and self.args.debug_invariants and msgs:
+                self._debug_check("when idle")
+
+    def _flush(self, send: MsgSocket) -> None:
+        if self.outbox:
+            send.send(m.BatchOutput(outputs=self.outbox))
+            self.outbox = []
+        for msg in self.control_out:
+            send.send(msg)
+        self.control_out = []
+        now = time.monotonic()
+        if now - self._last_stats > STATS_INTERVAL_S:
+            send.send(self.stats())
+            self._last_stats = now
+
+
+def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None) -> None:
+    """Entry point of the scheduler child process."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns shutdown
+    send = MsgSocket(zmq.PUSH, send_addr, bind=False)
+    recv = MsgSocket(zmq.PULL, recv_addr, bind=False)
+    try:
+        runner = ModelRunner(args)
+        scheduler = Scheduler(args, runner)
+    except Exception as exc:  # report start-up failures instead of dying silently
+        logger.exception("scheduler failed to start")
+        send.send(m.SchedulerError(message=f"{type(exc).__name__}: {exc}"))
+        time.sleep(0.5)
+        os._exit(1)
+    send.send(runner.ready_message())
+    scheduler.run_forever(recv, send, parent_pid)

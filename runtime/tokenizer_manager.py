@@ -1,0 +1,253 @@
+"""TokenizerManager: the tokenizer process's side of the scheduler connection.
+
+It tokenizes (and applies chat templates), validates requests against the context
+length and the KV pool, sends GenerateReq over ZeroMQ, receives the scheduler's token
+outputs and detokenizes them incrementally per sample (UTF-8 safe, stop strings held
+back). ``generate`` yields SampleChunk objects; a request with ``n`` samples becomes n
+scheduler requests ``rid-0 .. rid-(n-1)`` whose seeds are ``seed + i``.
+
+Closing the ``generate`` iterator early (client disconnect, error) aborts every sample
+that has not finished, so the scheduler frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from radixlm.runtime import messages as m
+from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.ipc import MsgSocket
+
+__all__ = ["TokenizerManager", "GenInput", "SampleChunk", "InvalidRequest", "SchedulerDied"]
+
+logger = logging.getLogger("radixlm.tokenizer")
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses (HTTP 400). ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class SchedulerDied(RuntimeError):
+    """The scheduler process is gone; in-flight requests fail with this."""
+
+
+@dataclass
+class GenInput:
+    input_ids: list[int]
+    sampling: m.SamplingParams
+    n: int = 1
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class SampleChunk:
+    """New output of sample ``index`` (text and ids since its previous chunk)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _Sample:
+    def __init__(self, index: int, detok: IncrementalDetokenizer) -> None:
+        self.index = index
+        self.detok = detok
+        self.completion_tokens = 0
+        self.done = False
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer, ready: m.SchedulerReady, send: MsgSocket, recv: MsgSocket,
+                 model_name: str, log_requests: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.ready = ready
+        self.send = send
+        self.recv = recv
+        self.model_name = model_name
+        self.log_requests = log_requests
+        self.context_length = ready.context_length
+        self.max_total_tokens = ready.max_total_tokens
+        self.queues: dict[str, tuple[asyncio.Queue, int]] = {}
+        self.control_waiters: dict[type, list[asyncio.Future]] = {}
+        self.stats: m.SchedulerStats | None = None
+        self.dead: str | None = None
+
+    # ----------------------------------------------------------------- receive loop
+    async def recv_loop(self) -> None:
+        while True:
+            msg = await self.recv.arecv()
+            if isinstance(msg, m.BatchOutput):
+                for out in msg.outputs:
+                    entry = self.queues.get(out.rid)
+                    if entry is not None:
+                        entry[0].put_nowait((entry[1], out))
+            elif isinstance(msg, m.SchedulerStats):
+                self.stats = msg
+            elif isinstance(msg, m.FlushCacheOut | m.CheckInvariantsOut):
+                waiters = self.control_waiters.pop(type(msg), [])
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(msg)
+
+    def fail_all(self, reason: str) -> None:
+        """The scheduler died: wake every waiting request with an error."""
+        self.dead = reason
+        for queue, index in list(self.queues.values()):
+            queue.put_nowait((index, None))
+        for waiters in self.control_waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(SchedulerDied(reason))
+
+    # ----------------------------------------------------------------- tokenization
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                tokenize=True, return_dict=False,
+            )
+        except Exception as exc:  # jinja errors from the template are the caller's fault
+            raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") from exc
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ----------------------------------------------------------------- validation
+    def validate(self, gen: GenInput, field_name: str = "prompt") -> GenInput:
+        """Check a request against the model and the pool; clamp max_new_tokens to the
+        context (documented policy). Raises InvalidRequest."""
+        n = len(gen.input_ids)
+        if n == 0:
+            raise InvalidRequest("prompt is empty", field_name)
+        vocab = self.ready.vocab_size
+        if any(not 0 <= t < vocab for t in gen.input_ids):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", field_name)
+        if n >= self.context_length:
+            raise InvalidRequest(
+                f"prompt has {n} tokens; the model's context length is {self.context_length} "
+                "(prompt + at least 1 generated token must fit)", field_name)
+        page = self.ready.page_size
+        if -(-(n + 1) // page) * page > self.max_total_tokens:
+            raise InvalidRequest(
+                f"prompt has {n} tokens, which exceeds the KV cache capacity of "
+                f"{self.max_total_tokens} tokens", field_name)
+        room = self.context_length - n
+        if gen.sampling.max_new_tokens > room:
+            gen.sampling = msgspec.structs.replace(gen.sampling, max_new_tokens=room)
+        if gen.logprob_start_len >= n:
+            gen.logprob_start_len = n - 1
+        return gen
+
+    # ----------------------------------------------------------------- generation
+    async def generate(self, gen: GenInput) -> AsyncIterator[SampleChunk]:
+        """Yield chunks of every sample until all have finished. Raises SchedulerDied."""
+        if self.dead:
+            raise SchedulerDied(self.dead)
+        queue: asyncio.Queue = asyncio.Queue()
+        samples = self._start_samples(gen, queue)
+        try:
+            remaining = len(samples)
+            while remaining:
+                index, out = await queue.get()
+                if out is None:
+                    raise SchedulerDied(self.dead or "scheduler stopped")
+                chunk = self._to_chunk(samples[index], out)
+                if chunk.finished:
+                    remaining -= 1
+                yield chunk
+        finally:
+            self._end_samples(gen.rid, samples)
+
+    def _start_samples(self, gen: GenInput, queue: asyncio.Queue) -> list[_Sample]:
+        samples = []
+        for i in range(gen.n):
+            rid = f"{gen.rid}-{i}"
+            sp = gen.sampling
+            if sp.seed is not None and i:
+                sp = msgspec.structs.replace(sp, seed=sp.seed + i)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, gen.input_ids, skip_special_tokens=sp.skip_special_tokens,
+                stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output)
+            samples.append(_Sample(i, detok))
+            self.queues[rid] = (queue, i)
+            self.send.asend_nowait(m.GenerateReq(
+                rid=rid, input_ids=gen.input_ids, sampling=sp, return_logprob=gen.return_logprob,
+                logprob_start_len=gen.logprob_start_len, top_logprobs_num=gen.top_logprobs_num,
+                stream=gen.stream))
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, n=%d, %s", gen.rid, len(gen.input_ids), gen.n, gen.sampling)
+        return samples
+
+    def _end_samples(self, rid: str, samples: list[_Sample]) -> None:
+        for s in samples:
+            sid = f"{rid}-{s.index}"
+            self.queues.pop(sid, None)
+            if not s.done and not self.dead:
+                self.send.asend_nowait(m.AbortReq(rid=sid))
+
+    def _to_chunk(self, sample: _Sample, out: m.ReqOutput) -> SampleChunk:
+        text = sample.detok.push(out.new_token_ids)
+        sample.completion_tokens += len(out.new_token_ids)
+        if out.finish_reason is not None:
+            text += sample.detok.finish()
+            sample.done = True
+        return SampleChunk(
+            index=sample.index, text=text, token_ids=list(out.new_token_ids),
+            logprobs=out.new_logprobs, top_logprobs=out.new_top_logprobs,
+            prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs,
+            finish_reason=out.finish_reason, matched_stop=out.matched_stop,
+            prompt_tokens=out.prompt_tokens, completion_tokens=sample.completion_tokens,
+            cached_tokens=out.cached_tokens, error=out.error,
+        )
+
+    # ----------------------------------------------------------------- control
+    async def _control(self, req, reply_type: type, timeout: float = 30.0):
+        if self.dead:
+            raise SchedulerDied(self.dead)
+        fut = asyncio.get_running_loop().create_future()
+        self.control_waiters.setdefault(reply_type, []).append(fut)
+        self.send.asend_nowait(req)
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> m.FlushCacheOut:
+        return await self._control(m.FlushCacheReq(), m.FlushCacheOut)
+
+    async def check_invariants(self) -> m.CheckInvariantsOut:
+        return await self._control(m.CheckInvariantsReq(), m.CheckInvariantsOut)

