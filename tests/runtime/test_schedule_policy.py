@@ -1,0 +1,202 @@
+"""CPU scenario tests of the batch planner + prefix cache, no model: exact page ids,
+chunking, prefix reuse, duplicate inserts (C02), eviction and preemption."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from radixlm.radix import RadixTree
+from radixlm.runtime.memory_pool import PageAllocator
+from radixlm.runtime.messages import SamplingParams
+from radixlm.runtime.prefix_cache import PrefixCache
+from radixlm.runtime.request import Req
+from radixlm.runtime.schedule_policy import BatchPlanner
+
+PAGE = 4
+_clock = itertools.count()
+
+
+def make_planner(num_pages: int, radix: bool = True, budget: int = 64, chunk: int = 64,
+                 max_running: int = 8) -> BatchPlanner:
+    alloc = PageAllocator(num_pages)
+    cache = PrefixCache(alloc, RadixTree(PAGE) if radix else None, PAGE)
+    return BatchPlanner(cache, max_prefill_tokens=budget, chunked_prefill_size=chunk,
+                        max_running_requests=max_running, enable_prefix_reuse=radix)
+
+
+def make_req(rid: str, prompt: list[int], max_new: int = 8) -> Req:
+    return Req(rid=rid, prompt_ids=list(prompt), sampling=SamplingParams(max_new_tokens=max_new),
+               arrival=float(next(_clock)))
+
+
+def run_step(planner: BatchPlanner, new_token: int = 7) -> list[tuple[str, int, int]]:
+    """Plan one step and apply it as the scheduler would (a sampled token per finishing item)."""
+    decision = planner.plan()
+    for req in decision.out_of_memory:  # the scheduler finishes these with "length"
+        req.finish("length")
+        planner.remove(req)
+    for it in decision.items:
+        req = it.req
+        was_prefill = req.in_prefill
+        samples = it.samples
+        req.num_computed += it.num_tokens
+        if was_prefill and not req.in_prefill:
+            planner.cache.cache(req)
+        if samples:
+            req.output_ids.append(new_token)
+    planner.cache.check_invariants(planner.live)
+    return [(it.req.rid, it.start, it.num_tokens) for it in decision.items]
+
+
+def finish(planner: BatchPlanner, req: Req) -> None:
+    planner.remove(req)
+    planner.cache.check_invariants(planner.live)
+
+
+def test_prefill_then_decode_exact_pages():
+    p = make_planner(num_pages=16)
+    a = make_req("a", range(10))
+    p.add(a)
+    assert run_step(p) == [("a", 0, 10)]
+    assert a.pages == [1, 2, 3]  # ceil(10 / 4) pages, lowest ids first
+    assert run_step(p) == [("a", 10, 1)]  # decode: the sampled token is fed next
+    assert a.pages == [1, 2, 3]
+    assert run_step(p) == [("a", 11, 1)]
+    assert run_step(p) == [("a", 12, 1)]  # position 12 needs a 4th page
+    assert a.pages == [1, 2, 3, 4]
+
+
+def test_chunked_prefill_respects_chunk_and_budget():
+    p = make_planner(num_pages=32, budget=12, chunk=8)
+    a, b = make_req("a", range(20)), make_req("b", range(100, 110))
+    p.add(a)
+    p.add(b)
+    assert run_step(p) == [("a", 0, 8), ("b", 0, 4)]
+    assert run_step(p) == [("a", 8, 8), ("b", 4, 4)]
+    assert run_step(p) == [("a", 16, 4), ("b", 8, 2)]
+    assert run_step(p) == [("a", 20, 1), ("b", 10, 1)]  # both decoding
+
+
+def test_second_request_reuses_page_aligned_prefix_and_keeps_last_token():
+    p = make_planner(num_pages=32)
+    a = make_req("a", range(12))  # exactly 3 pages
+    p.add(a)
+    run_step(p)
+    finish(p, a)
+    b = make_req("b", range(12))
+    p.add(b)
+    assert run_step(p) == [("b", 8, 4)]  # 12 - 1 = 11 matchable -> 8 (2 pages); last page recomputed
+    assert b.cached_tokens == 8
+    assert b.pages[:2] == a_pages_prefix(p, range(8))
+
+
+def a_pages_prefix(p: BatchPlanner, tokens) -> list[int]:
+    return p.cache.tree.match_prefix(list(tokens)).pages
+
+
+def test_concurrent_identical_prompts_dedupe_without_freeing_live_pages():
+    """C02: A and B compute the same prompt in the same step; B's insert finds A's pages,
+    B switches to them and frees only its own duplicates."""
+    p = make_planner(num_pages=32)
+    a, b = make_req("a", range(16)), make_req("b", range(16))
+    p.add(a)
+    p.add(b)
+    run_step(p)  # both prefilled in one pass, both inserted at the end of prefill
+    assert a.pages[:4] == b.pages[:4] == [1, 2, 3, 4]
+    assert b.num_tree_pages == 4
+    assert p.cache.allocator.is_free(5) and p.cache.allocator.is_free(8)  # B's duplicates freed
+    # Unrelated requests now reuse the freed pages; A and B keep reading pages 1-4.
+    c = make_req("c", range(200, 216))
+    p.add(c)
+    run_step(p)
+    assert set(c.pages).isdisjoint({1, 2, 3, 4})
+    for r in (a, b, c):
+        finish(p, r)
+    assert p.cache.tree.protected_pages == 0
+
+
+def test_eviction_frees_unlocked_leaves_before_preempting():
+    p = make_planner(num_pages=9)  # 8 usable pages
+    a = make_req("a", range(16))
+    p.add(a)
+    run_step(p)
+    finish(p, a)  # 4 pages cached, unlocked
+    assert p.cache.cached_pages == 4
+    b = make_req("b", range(100, 124))  # needs 6 pages + 1 to decode
+    p.add(b)
+    run_step(p)
+    assert len(b.pages) == 6 and p.cache.num_evicted_pages >= 2
+    assert p.num_preemptions == 0
+
+
+def test_preemption_recomputes_and_never_loses_a_request():
+    """Two requests that fit alone (20 tokens = 5 pages each) but not together (6 pages):
+    the newer one is preempted, recomputed later, and both finish all their tokens."""
+    p = make_planner(num_pages=7, max_running=4)
+    a, b = make_req("a", range(8), max_new=12), make_req("b", range(50, 58), max_new=12)
+    p.add(a)
+    p.add(b)
+    done = []
+    for _ in range(80):
+        run_step(p)
+        for r in list(p.running):
+            if len(r.output_ids) >= r.sampling.max_new_tokens:
+                finish(p, r)
+                done.append(r.rid)
+        if not p.running and not p.waiting:
+            break
+    assert done == ["a", "b"]  # the older request is never the victim
+    assert p.num_preemptions >= 1
+    assert len(a.output_ids) == len(b.output_ids) == 12
+    assert a.finish_reason is None and b.finish_reason is None  # nobody cut short
+    p.cache.check_invariants([])
+
+
+def test_request_that_cannot_fit_alone_is_reported_out_of_memory():
+    p = make_planner(num_pages=4)  # 3 pages = 12 tokens
+    a = make_req("a", range(10), max_new=100)
+    p.add(a)
+    run_step(p)
+    outs = []
+    for _ in range(6):
+        d = p.plan()
+        outs += d.out_of_memory
+        for it in d.items:
+            it.req.num_computed += it.num_tokens
+            it.req.output_ids.append(1)
+    assert outs == [a]
+    assert a not in p.running
+    a.pages and p.cache.release(a)
+    p.cache.check_invariants([])
+
+
+def test_waiting_request_that_never_fits_is_rejected():
+    p = make_planner(num_pages=3)  # 8 tokens
+    a = make_req("a", range(20))
+    p.add(a)
+    d = p.plan()
+    assert d.out_of_memory == [a] and not d.items
+    p.cache.check_invariants([])
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_idle_accounting_after_many_requests(radix):
+    p = make_planner(num_pages=20, radix=radix, max_running=3)
+    reqs = [make_req(f"r{i}", list(range(i % 3, i % 3 + 9)), max_new=3) for i in range(9)]
+    for r in reqs:
+        p.add(r)
+    for _ in range(60):
+        run_step(p)
+        for r in list(p.running):
+            if len(r.output_ids) >= r.sampling.max_new_tokens:
+                finish(p, r)
+        if not p.running and not p.waiting:
+            break
+    assert not p.running and not p.waiting
+    p.cache.check_invariants([])
+    cached = p.cache.cached_pages
+    assert p.cache.allocator.num_free + cached == 19
+    if not radix:
+        assert cached == 0

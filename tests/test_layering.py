@@ -1,0 +1,81 @@
+"""Packaging and dependency direction (ARCHITECTURE.md):
+
+    frontend --HTTP--> runtime --> kernels --> torch, triton
+                          \\-----> radix   --> stdlib only
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"runtime": "radixlm.runtime", "radix": "radixlm.radix", "kernels": "radixlm.kernels",
+           "frontend": "radixlm.frontend"}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _package_folders() -> dict[str, str]:
+    """Every folder with an __init__.py under the four roots -> its import name."""
+    found = {}
+    for folder, name in FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found[init.parent.relative_to(ROOT).as_posix()] = ".".join([name, *rel.parts])
+    return found
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    setuptools = _pyproject()["tool"]["setuptools"]
+    packages, package_dir = set(setuptools["packages"]), setuptools["package-dir"]
+    for folder, name in _package_folders().items():
+        assert name in packages, f"{name} ({folder}) missing from [tool.setuptools] packages"
+        assert package_dir.get(name) == folder, f"{name} must map to {folder} in package-dir"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _module_imports(folder: str) -> set[str]:
+    out: set[str] = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        out |= _imports(path)
+    return out
+
+
+def test_radix_imports_only_stdlib_and_itself():
+    for name in _module_imports("radix"):
+        top = name.split(".")[0]
+        assert top in sys.stdlib_module_names or name.startswith("radixlm.radix"), name
+
+
+@pytest.mark.parametrize("folder,forbidden", [
+    ("kernels", ("radixlm.runtime", "radixlm.frontend")),
+    ("radix", ("radixlm.runtime", "radixlm.kernels", "radixlm.frontend", "torch")),
+    ("frontend", ("radixlm.runtime", "radixlm.kernels", "torch")),
+])
+def test_dependency_direction(folder, forbidden):
+    for name in _module_imports(folder):
+        assert not name.startswith(forbidden), f"{folder}/ imports {name}"
+
+
+@pytest.mark.parametrize("module", ["radixlm.radix", "radixlm.frontend"])
+def test_torch_free_imports(module):
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
