@@ -126,7 +126,7 @@ def _native_gens(tm: TokenizerManager, req: GenerateRequest) -> list[GenInput]:
         raise InvalidRequest("rid must have one entry per prompt", "rid")
     sp = req.sampling_params
     gens = []
-    for (ids, field), rid in zip(inputs, rids):
+    for (ids, field), rid in zip(inputs, rids, strict=True):
         gen = GenInput(input_ids=ids, sampling=sp.to_sampling(), n=sp.n, return_logprob=req.return_logprob,
                        logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                        top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
@@ -161,7 +161,7 @@ class _NativeResult:
         return self.tm.tokenizer.decode([tid]) if self.with_text else None
 
     def _triples(self, lps: list, ids: list[int]) -> list:
-        return [[lp, t, self._tok(t)] for lp, t in zip(lps, ids)]
+        return [[lp, t, self._tok(t)] for lp, t in zip(lps, ids, strict=False)]
 
     def _tops(self, tops: list) -> list:
         return [None if t is None else [[lp, i, self._tok(i)] for i, lp in t] for t in tops]

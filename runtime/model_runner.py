@@ -122,7 +122,7 @@ class ModelRunner:
         """ForwardBatch + for each item (its prompt-logprob rows, its sample row)."""
         tokens, rows, flat, base = [], [], [], 0
         for it in items:
-            ids = it.req.all_ids[it.start : it.start + it.num_tokens]
+            ids = it.req.tokens(it.start, it.start + it.num_tokens)
             tokens.append(ids)
             prompt_rows = [base + p - it.start for p in self._prompt_positions(it)]
             sample_row = base + it.num_tokens - 1 if it.samples else None
@@ -136,19 +136,22 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_positions(it: ScheduleItem) -> range:
+        """Positions whose logits score a prompt token not yet scored (a recompute after
+        preemption does not score twice)."""
         req = it.req
         if not req.wants_prompt_logprobs:
             return range(0)
-        first = max(req.logprob_start_len, it.start + 1) - 1
+        next_token = req.logprob_start_len + len(req.prompt_logprobs)
+        first = max(next_token, it.start + 1) - 1
         last = min(it.start + it.num_tokens, len(req.prompt_ids) - 1)
         return range(first, last)
 
     def _prompt_logprobs(self, items: list[ScheduleItem], rows, logits: torch.Tensor,
                          results: list[ItemResult]) -> None:
-        for it, (prompt_rows, _), res in zip(items, rows, results):
+        for it, (prompt_rows, _), res in zip(items, rows, results, strict=True):
             positions = self._prompt_positions(it)
             req = it.req
-            lead = [None] if req.wants_prompt_logprobs and it.start == 0 and req.logprob_start_len == 0 else []
+            lead = [None] if req.wants_prompt_logprobs and req.logprob_start_len == 0 and not req.prompt_logprobs else []
             if not positions and not lead:
                 continue
             lps = torch.log_softmax(logits[prompt_rows], dim=-1)  # [n, V]
@@ -170,17 +173,17 @@ class ModelRunner:
         next_ids, lps = out.next_ids.tolist(), out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for k, ((i, _), req) in enumerate(zip(picks, reqs)):
+        for k, ((i, _), req) in enumerate(zip(picks, reqs, strict=True)):
             res = results[i]
             res.next_id, res.logprob = next_ids[k], lps[k]
             if top_ids is not None and req.top_logprobs_num:
                 n = req.top_logprobs_num
-                res.top_logprobs = list(zip(top_ids[k][:n], top_lps[k][:n]))
+                res.top_logprobs = list(zip(top_ids[k][:n], top_lps[k][:n], strict=True))
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     top = logprobs.topk(k, dim=-1)
-    return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    return [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
 
 
 def _sampling_info(req: Req) -> SamplingInfo:

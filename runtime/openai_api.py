@@ -109,7 +109,7 @@ def _chat_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float], tops:
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
     content = []
-    for k, (tid, lp) in enumerate(zip(ids, lps)):
+    for k, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
         e = entry(tid, lp)
         e["top_logprobs"] = [entry(i, v) for i, v in tops[k]] if k < len(tops) else []
         content.append(e)

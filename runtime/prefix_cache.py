@@ -90,7 +90,7 @@ class PrefixCache:
             return
         tokens = req.all_ids[: num_pages * self.page_size]
         result = self.tree.insert(tokens, req.pages[:num_pages])
-        dup = [mine for mine, kept in zip(req.pages, result.pages) if mine != kept]
+        dup = [mine for mine, kept in zip(req.pages, result.pages, strict=False) if mine != kept]
         req.pages[:num_pages] = result.pages
         self.tree.inc_lock(result.node)
         if req.tree_node is not None:

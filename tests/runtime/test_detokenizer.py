@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from radixlm.runtime.detokenizer import IncrementalDetokenizer, final_text
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
