@@ -91,7 +91,7 @@ class KVPool:
     """Per-layer K and V page pools, shape ``[P, S, K, D]`` each.
 
     ``k[layer]`` and ``v[layer]`` are plain tensors; attention backends write into and
-    read from them through page tables. Page 0 is zero-filled padding.
+    read from them through page tables. Page 0 is zero-filled padding; other pages hold garbage until written.
     """
 
     def __init__(
@@ -112,8 +112,15 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k = [self._new(shape) for _ in range(num_layers)]
+        self.v = [self._new(shape) for _ in range(num_layers)]
+
+    def _new(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Uninitialised pages (on the CPU untouched memory costs no RAM until a page is
+        first written); the dummy page 0 is zeroed so padded reads are finite."""
+        t = torch.empty(shape, dtype=self.dtype, device=self.device)
+        t[0].zero_()
+        return t
 
     @property
     def bytes_per_token(self) -> int:

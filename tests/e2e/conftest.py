@@ -124,7 +124,7 @@ def server_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(server_factory) -> Iterator[Server]:
     """The shared default server: radix cache on, page size 16, chunked prefill 512."""
-    with server_factory(chunked_prefill_size=512, max_total_tokens=65536) as srv:
+    with server_factory(chunked_prefill_size=512, max_total_tokens=32768) as srv:
         yield srv
 
 
