@@ -1,7 +1,13 @@
-"""Attention / KV-cache ops: plain-PyTorch references (``reference``) and Triton kernels."""
+"""Attention / KV-cache ops.
+
+Submodules: ``reference`` (plain PyTorch; also the CPU attention backend), and the Triton
+kernels ``store_kv``, ``decode_attention``, ``extend_attention`` (each imports triton, so
+import them only where triton is wanted). The package re-exports only reference ops whose
+names do not shadow a submodule.
+"""
 
 from __future__ import annotations
 
-from radixlm.kernels.reference import gather_kv, paged_attention, store_kv
+from radixlm.kernels.reference import gather_kv, paged_attention
 
-__all__ = ["gather_kv", "paged_attention", "store_kv"]
+__all__ = ["gather_kv", "paged_attention"]

@@ -11,6 +11,7 @@ Dimension letters: T new tokens in the pass, H query heads, K kv heads, D head d
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionBackend",
     "TorchAttentionBackend",
+    "TritonAttentionBackend",
     "attention_backend_choices",
     "create_attention_backend",
 ]
@@ -86,7 +88,79 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged kernels (``radixlm.kernels.{store_kv,decode_attention,extend_attention}``).
+
+    Per layer: store_kv, then the split-KV decode kernel for a pure decode step or the
+    extend kernel otherwise. ``prepare`` picks the split count from the batch's host-side
+    lengths once per pass (no device sync); the decode scratch is allocated by the first
+    layer and reused by the others. Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1``.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__(device)
+        if not _triton_available():
+            raise ImportError("the triton attention backend needs the 'triton' package")
+        from radixlm.kernels import decode_attention as decode
+        from radixlm.kernels.extend_attention import extend_attention
+        from radixlm.kernels.store_kv import store_kv
+
+        self._decode, self._extend, self._store_kv = decode, extend_attention, store_kv
+        self._num_splits = 1
+        self._workspace: Any = None
+
+    def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
+        self._workspace = None
+        max_seq = max(
+            p + e for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True)
+        )
+        self._num_splits = self._decode.decode_num_splits(
+            batch.batch_size, pool.num_kv_heads, max_seq, self.device
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
+        self._store_kv(k_pool, v_pool, k, v, batch.out_slots)
+        q = q.to(k_pool.dtype)
+        scale = q.shape[-1] ** -0.5
+        if not batch.is_decode:
+            return self._extend(
+                q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
+                scale, max_extend_len=max(batch.extend_lens_cpu),
+            )  # fmt: skip
+        batch_size, num_heads, head_dim = q.shape
+        shape = (batch_size, num_heads, self._num_splits)
+        work = self._workspace
+        if self._num_splits > 1 and (work is None or tuple(work.partial_lse.shape) != shape):
+            self._workspace = self._decode.DecodeWorkspace.allocate(  # [B, H, N, D] scratch
+                batch_size, num_heads, self._num_splits, head_dim, q.device
+            )
+        return self._decode.decode_attention(
+            q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
+            num_splits=self._num_splits, workspace=self._workspace,
+        )  # fmt: skip
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "triton": TritonAttentionBackend,
+}
 
 
 def attention_backend_choices() -> tuple[str, ...]:
@@ -95,7 +169,9 @@ def attention_backend_choices() -> tuple[str, ...]:
 
 
 def _auto_backend(device: torch.device) -> str:
-    """The backend "auto" resolves to on ``device`` (only "torch" exists so far)."""
+    """The backend "auto" resolves to: triton on CUDA when triton imports, else torch."""
+    if device.type == "cuda" and _triton_available():
+        return "triton"
     return "torch"
 
 

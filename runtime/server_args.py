@@ -63,7 +63,9 @@ class ServerArgs:
     )
     max_running_requests: int = _opt(64, "Most requests decoding at the same time.")
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
-    attention_backend: str = _opt("auto", "Attention backend ('auto' picks per device).", ("auto", "torch"))
+    attention_backend: str = _opt(
+        "auto", "Attention backend ('auto': triton on CUDA, torch otherwise).", ("auto", "torch", "triton")
+    )
     random_seed: int = _opt(0, "Seed for requests without their own seed.")
     log_level: str = _opt("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_requests: bool = _opt(False, "Log request texts (off by default: prompts stay out of logs).")

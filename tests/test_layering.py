@@ -79,3 +79,13 @@ def test_dependency_direction(folder, forbidden):
 def test_torch_free_imports(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_choices_match_registries():
+    import dataclasses
+
+    from radixlm.runtime.attention import attention_backend_choices
+    from radixlm.runtime.server_args import ServerArgs
+
+    field = {f.name: f for f in dataclasses.fields(ServerArgs)}["attention_backend"]
+    assert tuple(field.metadata["choices"]) == tuple(attention_backend_choices())

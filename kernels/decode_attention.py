@@ -1,0 +1,315 @@
+"""Triton paged decode attention: split-KV ("flash decoding") with a log-sum-exp merge.
+
+What: one query token per request attends to the request's whole cached sequence
+(``seq_lens[b]`` keys, the new token's own K/V already stored), reading K/V pages straight
+through the page table. Same result as ``reference.paged_attention`` with extend_len 1.
+
+Dimension letters: B requests, H query heads, K kv heads, G = H // K query heads per kv
+head, D head dim, P pages, S page size, Pmax pages per request, N splits per request.
+
+Layout::
+
+    q               [B, H, D]     any strides, last dim contiguous
+    k_pool, v_pool  [P, S, K, D]  last dim contiguous
+    page_table      [B, Pmax]     int32; key t of request b is in page page_table[b, t // S]
+    seq_lens        [B]           int32, >= 1
+    out             [B, H, D]     q's dtype
+
+    keys of request b:  0 ........................................ seq_len-1
+    splits:             |  split 0  |  split 1  | ... | split N-1 |   (each a multiple of
+                                                                        BLOCK_N keys; the
+                                                                        tail ones may be empty)
+
+Algorithm:
+  1. ``_decode_split_kernel``, grid (B, K, N): program (b, kv head, split) loads the G
+     query heads that share one kv head as a [BLOCK_H, D] tile (GQA: each K/V tile is read
+     once for the whole group), walks its key range in BLOCK_N tiles, looks each key's page
+     up in the page table (no per-token index array in memory), and keeps an online
+     softmax (running max, sum, accumulator; FlashAttention-2). It writes the normalised
+     partial output [BLOCK_H, D] and its log2-sum-exp.
+  2. ``_decode_merge_kernel``, grid (B, H): out = sum_i w_i o_i / sum_i w_i with
+     w_i = 2^(lse_i - max lse) (Flash-Decoding's reduction). With N = 1 step 1 writes the
+     output directly and step 2 is skipped.
+Sources: FlashAttention-2 (Dao, 2023), Flash-Decoding (Dao et al., 2023), PagedAttention
+(Kwon et al., SOSP 2023), RadixAttention (Zheng et al., 2024).
+
+Limits: D a power of two (16..256); G <= 64; fp16/bf16 (fp32 for tests, with IEEE fp32
+dots). Keys past seq_len, and the rest of the last page, are never read (masked), so stale
+or NaN slots are harmless.
+
+Caveats: N is chosen on the host (``decode_num_splits``) from an upper bound on the
+sequence length, so one launch shape serves a whole batch (and a CUDA graph); each request
+then splits its own length into N parts. An eager call costs 90-130 us of host time on the
+H200 host (two Triton launches plus checks; bench/KERNELS.md), far more than the GPU time
+of a small batch: replay decode steps from a CUDA graph. Quantised pools are reserved
+through ``k_scale``/``v_scale`` and not implemented yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["DecodeConfig", "DecodeWorkspace", "decode_attention", "decode_num_splits"]
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the split kernel (the merge kernel is fixed)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    # Split heuristic: at most one wave of programs_per_sm programs per SM (B * K * N <=
+    # programs_per_sm * SMs), and no split shorter than min_split_keys keys.
+    programs_per_sm: int = 4
+    min_split_keys: int = 128
+
+
+@dataclass
+class DecodeWorkspace:
+    """Scratch of the split-KV path: partial outputs [B, H, N, D] fp32, lse [B, H, N] fp32.
+
+    Allocate once per forward pass (``DecodeWorkspace.allocate``) and reuse for every layer.
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+    ) -> DecodeWorkspace:
+        shape = (batch, num_heads, num_splits)
+        return cls(
+            partial_out=torch.empty((*shape, head_dim), dtype=torch.float32, device=device),
+            partial_lse=torch.empty(shape, dtype=torch.float32, device=device),
+        )
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse,
+    qk_scale_log2, num_splits,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    stride_ptb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)  # [Hb] query heads of this kv head (padded)
+    dims = tl.arange(0, HEAD_DIM)  # [D]
+    heads = kv_head * GROUP + rows
+    head_mask = rows < GROUP
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=head_mask[:, None],
+        other=0.0,
+    )  # [Hb, D]
+    page_row = PageTable + b * stride_ptb
+    k_base = KPool + kv_head * stride_kk
+    v_base = VPool + kv_head * stride_vk
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+        valid = keys < end
+        page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = keys % PAGE_SIZE
+        k_off = page * stride_kp + slot * stride_ks  # [Nb]
+        v_off = page * stride_vp + slot * stride_vs
+        k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Hb, Nb]
+        s = s * qk_scale_log2  # log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if DIRECT:
+        o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        # PartOut [B, H, N, D] and PartLse [B, H, N], contiguous.
+        row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [Hb]
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(PartOut + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
+        tl.store(PartLse + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PartOut, PartLse, Out, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)  # [Nb]
+    dims = tl.arange(0, HEAD_DIM)  # [D]
+    smask = splits < num_splits
+    row = (b * tl.num_programs(1) + h) * num_splits + splits  # [Nb]
+    lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: 2^-inf = 0
+    part_ptr = PartOut + row[:, None] * HEAD_DIM + dims[None, :]
+    part = tl.load(part_ptr, mask=smask[:, None], other=0.0)  # [Nb, D]
+    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)  # [D]
+    tl.store(Out + b * stride_ob + h * stride_oh + dims, out.to(Out.dtype.element_ty))
+
+
+def decode_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    device: torch.device | str | int,
+    config: DecodeConfig | None = None,
+) -> int:
+    """Splits per request N: the most programs (B * K * N) that still run as one wave of
+    ``programs_per_sm`` per SM (rounded down: a second, partial wave of equal-length
+    programs costs more than fewer, longer splits), but no split shorter than
+    ``min_split_keys``. ``device`` may also be an SM count (int).
+
+    Measured on an H200 (132 SMs, block_n 64, 4 warps, 2 stages; bench/KERNELS.md): batch
+    32 x 8K keys takes 258 us with N = 2 (512 programs) but 336 us with N = 3 (768).
+    """
+    config = config or DecodeConfig()
+    num_sms = device if isinstance(device, int) else _num_sms(torch.device(device))
+    wanted = config.programs_per_sm * num_sms // max(batch * num_kv_heads, 1)
+    most = math.ceil(max_seq_len / max(config.min_split_keys, config.block_n))
+    return max(1, min(wanted, most, 256))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 pools (tests) get exact IEEE dots; fp16/bf16 ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: any small number keeps the split path exercised
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    assert q.dim() == 3 and q.stride(-1) == 1, (q.shape, q.stride())
+    assert k_pool.dim() == 4 and k_pool.shape == v_pool.shape, (k_pool.shape, v_pool.shape)
+    assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1, "pools: last dim contiguous"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert k_pool.dtype == v_pool.dtype == q.dtype, (q.dtype, k_pool.dtype, v_pool.dtype)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[2]
+    assert k_pool.shape[3] == head_dim, (k_pool.shape, q.shape)
+    assert num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64, (
+        num_heads,
+        num_kv_heads,
+    )
+    assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, head_dim
+    assert page_table.dim() == 2 and page_table.shape[0] == batch, (page_table.shape, batch)
+    assert page_table.dtype == torch.int32 and page_table.stride(1) == 1, page_table.dtype
+    assert seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32, seq_lens.dtype
+    assert seq_lens.is_contiguous()
+    assert q.device == k_pool.device == page_table.device == seq_lens.device
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
+    config: DecodeConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged decode attention: q [B, H, D] over each request's ``seq_lens[b]`` keys -> [B, H, D].
+
+    Args:
+        q: [B, H, D] one query token per request (fp16/bf16/fp32, same dtype as the pools).
+        k_pool, v_pool: [P, S, K, D] pools of one layer, already holding the new tokens.
+        page_table: [B, Pmax] int32 page ids; must cover ``seq_lens[b]`` tokens.
+        seq_lens: [B] int32 keys per request (>= 1).
+        scale: softmax scale, usually D ** -0.5.
+        num_splits: splits per request N; default ``decode_num_splits`` on the bound
+            Pmax * S (no device sync).
+        out: optional [B, H, D] output buffer (q's dtype, last dim contiguous).
+        workspace: optional scratch for N > 1, exactly ``DecodeWorkspace.allocate(B, H, N, D)``
+            (allocated per call when omitted).
+        config: launch parameters (block size, warps, stages, split heuristic).
+        k_scale, v_scale: reserved for quantised pools; must be None.
+    """
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("quantised KV pools are not supported yet")
+    _check_inputs(q, k_pool, v_pool, page_table, seq_lens)
+    config = config or DecodeConfig()
+    batch, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        bound = page_table.shape[1] * page_size
+        num_splits = decode_num_splits(batch, num_kv_heads, bound, q.device, config)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if batch == 0:
+        return out
+    direct = num_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused
+    else:
+        if workspace is None:
+            workspace = DecodeWorkspace.allocate(batch, num_heads, num_splits, head_dim, q.device)
+        part_out, part_lse = workspace.partial_out, workspace.partial_lse
+        assert part_out.shape == (batch, num_heads, num_splits, head_dim), part_out.shape
+        assert part_lse.shape == (batch, num_heads, num_splits) and part_out.is_contiguous()
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse,
+        scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        page_table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if not direct:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_dim * num_splits >= 4096 else 2,
+        )  # fmt: skip
+    return out

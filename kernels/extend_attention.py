@@ -1,0 +1,258 @@
+"""Triton paged extend attention: new tokens attend to cached prefix pages + causally to
+each other (RadixAttention's extend step; a plain prefill is prefix_len 0).
+
+What: for every request b, its extend_len new queries (rows cu_extend[b]:cu_extend[b+1]
+of q) attend to keys 0 .. prefix_len + i (query i sits at position prefix_len + i), all
+read through the page table: the prefix pages (shared through the radix tree) and the
+new tokens' own K/V, which store_kv has already written into their pages. Same result as
+``reference.paged_attention``.
+
+Dimension letters: B requests, T new tokens (sum of extend lengths), H query heads, K kv
+heads, G = H // K, D head dim, P pages, S page size, Pmax pages per request.
+
+Layout::
+
+    q               [T, H, D]     any strides, last dim contiguous
+    k_pool, v_pool  [P, S, K, D]  last dim contiguous
+    page_table      [B, Pmax]     int32; key t of request b is in page page_table[b, t // S]
+    cu_extend       [B+1] int32   cumulative extend lengths, cu_extend[0] = 0
+    prefix_lens     [B]   int32   cached tokens per request (any value, mid-page is fine)
+    out             [T, H, D]     q's dtype
+
+One program = BLOCK_M queries of one head of one request. Its keys, in BLOCK_N tiles::
+
+    keys:  0 ............... prefix_len + m0 ........ prefix_len + min(m0 + BLOCK_M, E)
+           |<- visible to every row: no mask ->|<- diagonal tiles: causal mask ->|
+    (m0 = first query row of the block, E = extend_len; padded rows are never stored)
+
+Algorithm: FlashAttention-2 (Dao, 2023) forward with an online softmax in the log2 domain;
+keys are gathered page by page through the page table (PagedAttention, Kwon et al., SOSP
+2023) so a prefix shared in the radix tree (RadixAttention, Zheng et al., 2024) is read in
+place. Grid (H, B, M blocks) with the M-block index reversed, so the longest (most causal
+work) blocks start first and the G heads of one kv head run side by side (their K/V tiles
+come from L2).
+
+Limits: D a power of two (16..256); fp16/bf16 (fp32 for tests, with IEEE fp32 dots).
+``max_extend_len`` (host int) sizes the grid; blocks past a request's extend_len exit at
+once. Tile sizes come from ``default_extend_config`` (128 x 128 on sm_90, measured there).
+
+Caveats: on an H200 a plain causal prefill (prefix 0, 4 x 2K tokens) reaches 0.42 of the
+bf16 matmul rate, 1.8x slower than PyTorch SDPA on contiguous KV, while long cached prefixes
+reach 0.53 and beat SDPA (bench/KERNELS.md). Quantised pools are reserved through
+``k_scale``/``v_scale`` and not implemented yet.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ExtendConfig", "default_extend_config", "extend_attention"]
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Launch parameters of the extend kernel (defaults: ``default_extend_config``)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Hopper (sm_90, 227 KB shared memory per block): 128 x 128 tiles, 3 stages. Measured on an
+# H200 (bench/KERNELS.md), batch 4, prefix 8K + 2K new: 3.41 ms (0.53 of the bf16 matmul
+# rate) vs 4.29 ms for 128 x 64 tiles / 8 warps / 3 stages and 3.68 ms for the fallback.
+HOPPER_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+
+
+@functools.lru_cache(maxsize=16)
+def default_extend_config(device: torch.device) -> ExtendConfig:
+    """The launch parameters used when the caller passes none: the Hopper tiles on compute
+    capability >= 9.0, else the smaller ``ExtendConfig()`` (fits ~100 KB of shared memory)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return HOPPER_EXTEND_CONFIG
+    return ExtendConfig()
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
+    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i)."""
+    keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+    dims = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        valid = keys < key_end
+        page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    else:
+        page = tl.load(page_row + keys // PAGE_SIZE).to(tl.int64)
+    slot = keys % PAGE_SIZE
+    k_ptr = k_base + (page * stride_kp + slot * stride_ks)[:, None] + dims[None, :]
+    v_ptr = v_base + (page * stride_vp + slot * stride_vs)[:, None] + dims[None, :]
+    if MASKED:
+        k = tl.load(k_ptr, mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Mb, Nb]
+    s = s * qk_scale_log2  # log2 domain
+    if MASKED:
+        causal = (keys[None, :] <= rows_pos[:, None]) & valid[None, :]
+        s = tl.where(causal, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptr)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out,
+    qk_scale_log2,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    stride_ptb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0)
+    b = tl.program_id(1)
+    m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # longest blocks first
+    row0 = tl.load(CuExtend + b)
+    extend_len = tl.load(CuExtend + b + 1) - row0
+    m0 = m_block * BLOCK_M
+    if m0 >= extend_len:
+        return
+    prefix_len = tl.load(PrefixLens + b)
+    kv_head = head // GROUP
+
+    rows = m0 + tl.arange(0, BLOCK_M)  # [Mb] query index within the request
+    dims = tl.arange(0, HEAD_DIM)
+    row_mask = rows < extend_len
+    q_ptr = Q + (row0 + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + dims[None, :], mask=row_mask[:, None], other=0.0)  # [Mb, D]
+    rows_pos = prefix_len + rows  # [Mb] absolute position = last key each row sees
+    page_row = PageTable + b * stride_ptb
+    k_base = KPool + kv_head * stride_kk
+    v_base = VPool + kv_head * stride_vk
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # Keys [0, prefix_len + m0] are visible to every row: whole tiles of them need no mask.
+    full_end = (prefix_len + m0 + 1) // BLOCK_N * BLOCK_N
+    key_end = prefix_len + tl.minimum(m0 + BLOCK_M, extend_len)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(full_end, key_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
+    o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(o_ptr + dims[None, :], out.to(Out.dtype.element_ty), mask=row_mask[:, None])
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_extend: torch.Tensor,
+    prefix_lens: torch.Tensor,
+) -> None:
+    assert q.dim() == 3 and q.stride(-1) == 1, (q.shape, q.stride())
+    assert k_pool.dim() == 4 and k_pool.shape == v_pool.shape, (k_pool.shape, v_pool.shape)
+    assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1, "pools: last dim contiguous"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert k_pool.dtype == v_pool.dtype == q.dtype, (q.dtype, k_pool.dtype, v_pool.dtype)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_pool.shape[2]
+    assert k_pool.shape[3] == head_dim and num_heads % num_kv_heads == 0, (q.shape, k_pool.shape)
+    assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, head_dim
+    batch = page_table.shape[0]
+    assert page_table.dim() == 2 and page_table.dtype == torch.int32, page_table.dtype
+    assert page_table.stride(1) == 1, page_table.stride()
+    assert cu_extend.shape == (batch + 1,) and cu_extend.dtype == torch.int32, cu_extend.shape
+    assert prefix_lens.shape == (batch,) and prefix_lens.dtype == torch.int32, prefix_lens.shape
+    assert cu_extend.is_contiguous() and prefix_lens.is_contiguous()
+    assert q.device == k_pool.device == page_table.device == cu_extend.device
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_extend: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    scale: float,
+    max_extend_len: int,
+    out: torch.Tensor | None = None,
+    config: ExtendConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged causal attention of each request's new tokens -> [T, H, D] in q's dtype.
+
+    Args:
+        q: [T, H, D] queries of the new tokens, request b in rows cu_extend[b]:cu_extend[b+1].
+        k_pool, v_pool: [P, S, K, D] pools of one layer, already holding the new tokens.
+        page_table: [B, Pmax] int32; must cover prefix_lens[b] + extend_len[b] tokens.
+        cu_extend: [B+1] int32 cumulative extend lengths.
+        prefix_lens: [B] int32 cached tokens per request.
+        scale: softmax scale, usually D ** -0.5.
+        max_extend_len: host int >= every extend length (sizes the grid; no device sync).
+        out: optional [T, H, D] output buffer (q's dtype, last dim contiguous).
+        config: launch parameters (block sizes, warps, stages); default
+            ``default_extend_config(q.device)``.
+        k_scale, v_scale: reserved for quantised pools; must be None.
+    """
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("quantised KV pools are not supported yet")
+    _check_inputs(q, k_pool, v_pool, page_table, cu_extend, prefix_lens)
+    config = config or default_extend_config(q.device)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    batch = page_table.shape[0]
+    if batch == 0 or q.shape[0] == 0:
+        return out
+    grid = (num_heads, batch, triton.cdiv(max_extend_len, config.block_m))
+    _extend_kernel[grid](
+        q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        page_table.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out

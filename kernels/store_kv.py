@@ -1,0 +1,106 @@
+"""Triton store-KV: write the new tokens' K and V into their page slots.
+
+What: ``k_pool.view(-1, K, D)[out_slots] = k`` and the same for V, in one launch. A slot
+can be any position inside a page (a partly filled last page, a decode token, a chunk of a
+prefill that starts mid-page). Values are cast to the pool's dtype.
+
+Dimension letters: T new tokens, K kv heads, D head dim, P pages, S page size.
+
+Layout::
+
+    k, v            [T, K, D]     any strides, last dim contiguous (views of the qkv output)
+    k_pool, v_pool  [P, S, K, D]  last dim contiguous
+    out_slots       [T] int64     flat slot = page * S + offset
+    token t  ->  k_pool[out_slots[t] // S, out_slots[t] % S, :, :]
+
+Grid: one program per token; it moves the whole [K, D] tile of K and of V (K padded to a
+power of two and masked).
+
+Limits: D a power of two (16..256); K <= 64. Quantised pools (fp8 / int4 with scales) are
+reserved through ``k_scale`` / ``v_scale`` and not implemented yet.
+
+Algorithm: the KV write of PagedAttention (Kwon et al., SOSP 2023): tokens go to slots of
+fixed-size pages named by a page table, not to a contiguous per-request buffer.
+Reference: ``radixlm.kernels.reference.store_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["store_kv"]
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KPool, VPool, Slots,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    NUM_KV_HEADS: tl.constexpr, BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_KH)  # [Kp]
+    dims = tl.arange(0, HEAD_DIM)  # [D]
+    mask = (heads < NUM_KV_HEADS)[:, None]  # [Kp, 1]
+    slot = tl.load(Slots + t)  # int64
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    k = tl.load(K + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    k_dst = KPool + page * stride_kp + offset * stride_ks + heads[:, None] * stride_kk
+    v_dst = VPool + page * stride_vp + offset * stride_vs + heads[:, None] * stride_vk
+    tl.store(k_dst + dims[None, :], k.to(KPool.dtype.element_ty), mask=mask)
+    tl.store(v_dst + dims[None, :], v.to(VPool.dtype.element_ty), mask=mask)
+
+
+def _check_pool(pool: torch.Tensor, name: str) -> None:
+    assert pool.dim() == 4, f"{name} must be [P, S, K, D], got {tuple(pool.shape)}"
+    assert pool.stride(-1) == 1, f"{name} last dim must be contiguous"
+    assert pool.dtype in (torch.float16, torch.bfloat16, torch.float32), pool.dtype
+
+
+def store_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write ``k``/``v`` [T, K, D] into ``k_pool``/``v_pool`` [P, S, K, D] at ``out_slots``
+    (flat slot ids, int64 [T]), in place, casting to the pool dtype.
+
+    ``k_scale``/``v_scale`` are reserved for quantised pools and must be None for now.
+    """
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("quantised KV pools are not supported yet")
+    _check_pool(k_pool, "k_pool")
+    _check_pool(v_pool, "v_pool")
+    num_pages, page_size, num_kv_heads, head_dim = k_pool.shape
+    assert v_pool.shape == k_pool.shape, (v_pool.shape, k_pool.shape)
+    assert k.shape == v.shape and k.dim() == 3, (k.shape, v.shape)
+    assert k.shape[1:] == (num_kv_heads, head_dim), (k.shape, k_pool.shape)
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k/v last dim must be contiguous"
+    assert out_slots.shape == (k.shape[0],) and out_slots.dtype == torch.int64, (
+        out_slots.shape,
+        out_slots.dtype,
+    )
+    assert k.device == k_pool.device == out_slots.device, (k.device, k_pool.device)
+    assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, head_dim
+    assert num_kv_heads <= 64, num_kv_heads
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_pool, v_pool, out_slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        NUM_KV_HEADS=num_kv_heads, BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )  # fmt: skip

@@ -1,0 +1,77 @@
+"""TritonAttentionBackend against TorchAttentionBackend through ForwardBatch and KVPool:
+a mixed extend pass (prefill, cached-prefix chunk, decode rows), then a pure decode step
+that takes the split-KV path, then the registry and "auto" selection.
+
+Dimension letters: T new tokens, H query heads, K kv heads, D head dim, S page size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from radixlm.runtime.attention import (  # noqa: E402
+    TorchAttentionBackend,
+    TritonAttentionBackend,
+    attention_backend_choices,
+    create_attention_backend,
+)
+from radixlm.runtime.forward_batch import ForwardBatch  # noqa: E402
+from radixlm.runtime.memory_pool import KVPool  # noqa: E402
+
+from .conftest import DEVICE  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 6, 2, 64, 4
+
+
+def _pool() -> KVPool:
+    pool = KVPool(24, PAGE, 1, KV_HEADS, HEAD_DIM, torch.float32, DEVICE)
+    pool.k[0].fill_(float("nan"))  # slots never written must never be read
+    pool.v[0].fill_(float("nan"))
+    return pool
+
+
+def _step(backend, pool: KVPool, batch: ForwardBatch, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = batch.num_tokens
+    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    kv = torch.randn(tokens, 2 * KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    backend.prepare(batch, pool)
+    return backend.forward(q, kv[:, :KV_HEADS], kv[:, KV_HEADS:], 0, batch, pool)
+
+
+def test_triton_backend_matches_torch_backend() -> None:
+    pools = {"torch": _pool(), "triton": _pool()}
+    backends = {"torch": TorchAttentionBackend(DEVICE), "triton": TritonAttentionBackend(DEVICE)}
+    tables = [[5, 2, 9], [7, 1, 3, 11, 4, 8, 12], [6, 10]]  # shuffled pages
+    prefill = ForwardBatch.build(
+        tokens=[[1] * 9, [2] * 21, [3] * 6],
+        prefix_lens=[0, 0, 0],
+        page_tables=tables,
+        logits_rows=[8, 29, 35],
+        page_size=PAGE,
+        device=DEVICE,
+    )
+    # Second pass: request 1 extends 3 tokens from mid-page, the others decode one token.
+    mixed = ForwardBatch.build([[4], [5] * 3, [6]], [9, 21, 6], tables, [0, 3, 4], PAGE, DEVICE)
+    decode = ForwardBatch.build([[7], [8], [9]], [10, 24, 7], tables, [0, 1, 2], PAGE, DEVICE)
+    assert decode.is_decode and not mixed.is_decode
+    for seed, batch in enumerate([prefill, mixed, decode]):
+        outs = {name: _step(backends[name], pools[name], batch, seed) for name in backends}
+        assert not outs["triton"].isnan().any()
+        torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pools["triton"].k[0], pools["torch"].k[0], equal_nan=True)
+
+
+def test_registry_lists_triton_and_auto_picks_torch_on_cpu() -> None:
+    assert attention_backend_choices() == ("auto", "torch", "triton")
+    assert isinstance(create_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    assert isinstance(create_attention_backend("triton", DEVICE), TritonAttentionBackend)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_picks_triton_on_cuda() -> None:
+    assert isinstance(create_attention_backend("auto", "cuda"), TritonAttentionBackend)
