@@ -1,0 +1,219 @@
+"""GPU end-to-end check and measurements: radixlm server vs transformers, same weights.
+
+Builds a random-weight bf16 Hugging Face checkpoint of a real model shape (no real
+checkpoint can be brought to the GPU host), starts ``radixlm launch_server --device cuda``
+on it, and reports:
+  * prompt logprobs of radixlm vs transformers (SDPA, same bf16 weights) on the same
+    prompts: max / mean |delta|;
+  * greedy tokens: agreement until the first near-tie (transformers' top-2 logit margin
+    below ``--tie-margin`` at that step) — a divergence after a near-tie is numerics;
+  * decode throughput at batch 1 and 32 (fixed output length, ``ignore_eos``), TPOT from
+    streamed timestamps;
+  * TTFT of a 4K-token prompt cold vs with its first 3968 tokens cached.
+Results go to ``--out`` as JSON. Usage (on the GPU host, radixlm importable):
+
+    python bench/gpu_e2e.py --shape smollm2 --tokenizer-dir tok/ --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+DEVICE = os.environ.get("GPU_E2E_DEVICE", "cuda")  # "cpu" for a dry run of this script
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=49152, max_position_embeddings=8192,
+                 tie_word_embeddings=False),
+    # SmolLM2-135M-Instruct's real configuration.
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                    rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    # Llama-3-8B's shape (vocab cut to the carried tokenizer's 49152 so every id decodes).
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=49152, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+def build_checkpoint(shape: str, tokenizer_dir: Path, root: Path, dtype: torch.dtype = torch.bfloat16):
+    """Random weights (std 0.02, as Llama's init) saved with save_pretrained in ``dtype``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = root / shape
+    config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    if not (out / "config.json").exists():
+        model.save_pretrained(out)
+        for f in tokenizer_dir.iterdir():
+            if f.name not in ("config.json", "generation_config.json") and f.suffix != ".safetensors":
+                shutil.copy(f, out / f.name)
+    return out, model
+
+
+def start_server(model_dir: Path, port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "radixlm.runtime.launch_server", "--model-path", str(model_dir),
+           "--device", DEVICE, "--port", str(port), "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server did not become healthy")
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    os.killpg(proc.pid, signal.SIGTERM)
+    return proc.wait(60)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def compare_logits(url: str, model, ids_list: list[list[int]], new_tokens: int, tie_margin: float) -> dict:
+    """radixlm prompt logprobs + greedy tokens vs transformers on the same weights."""
+    diffs, agree, first_div, near_tie_div = [], 0, [], 0
+    with httpx.Client(base_url=url, timeout=600) as c:
+        for ids in ids_list:
+            r = c.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                                          "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
+                                                              "ignore_eos": True}}).json()
+            ours = torch.tensor([t[0] for t in r["meta_info"]["input_token_logprobs"][1:]])
+            with torch.no_grad():
+                logits = model(torch.tensor([ids], device=DEVICE)).logits[0].float()
+            ref = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:], device=DEVICE)[:, None])[:, 0]
+            diffs.append((ours - ref.cpu()).abs())
+            out = r["output_ids"]
+            ref_out = model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=new_tokens,
+                                     do_sample=False, min_new_tokens=new_tokens, output_scores=True,
+                                     return_dict_in_generate=True)
+            ref_ids = ref_out.sequences[0, len(ids):].tolist()
+            k = next((i for i, (a, b) in enumerate(zip(out, ref_ids, strict=False)) if a != b), None)
+            if k is None:
+                agree += 1
+                continue
+            first_div.append(k)
+            top2 = ref_out.scores[k][0].float().topk(2).values
+            near_tie_div += int((top2[0] - top2[1]).item() < tie_margin)
+    d = torch.cat(diffs)
+    return {"prompts": len(ids_list), "prompt_logprob_max_abs_diff": d.max().item(),
+            "prompt_logprob_mean_abs_diff": d.mean().item(), "greedy_identical": agree,
+            "first_divergence_positions": first_div, "divergences_at_near_tie": near_tie_div,
+            "tie_margin": tie_margin}
+
+
+def stream_one(url: str, ids: list[int], out_len: int) -> dict:
+    t0 = time.perf_counter()
+    stamps = []
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}}
+    with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/generate", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter())
+    ttft = stamps[0] - t0
+    tpot = (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
+    return {"ttft_s": ttft, "tpot_s": tpot, "latency_s": stamps[-1] - t0}
+
+
+def decode_throughput(url: str, batch: int, in_len: int, out_len: int, vocab: int) -> dict:
+    ids = prompts(batch, in_len, vocab, seed=100 + batch)
+    stream_one(url, ids[0], 4)  # warm-up
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        res = list(pool.map(lambda p: stream_one(url, p, out_len), ids))
+    wall = time.perf_counter() - t0
+    tpots = sorted(r["tpot_s"] for r in res)
+    return {"batch": batch, "in_len": in_len, "out_len": out_len, "wall_s": wall,
+            "output_tokens_per_s": batch * out_len / wall, "median_tpot_ms": 1e3 * tpots[len(tpots) // 2],
+            "decode_tokens_per_s": batch / tpots[len(tpots) // 2]}
+
+
+def prefix_ttft(url: str, vocab: int) -> dict:
+    base = prompts(1, 4096, vocab, seed=7)[0]
+    httpx.post(f"{url}/flush_cache", timeout=60)
+    cold = stream_one(url, base, 2)["ttft_s"]
+    warm_ids = base[:3968] + prompts(1, 128, vocab, seed=8)[0]
+    warm = stream_one(url, warm_ids, 2)["ttft_s"]
+    return {"cold_ttft_s": cold, "cached_3968_ttft_s": warm, "ratio": warm / cold}
+
+
+def hf_decode(model, batch: int, in_len: int, out_len: int, vocab: int) -> dict:
+    ids = torch.tensor(prompts(batch, in_len, vocab, seed=200 + batch), device=DEVICE)
+    model.generate(ids[:, :16], max_new_tokens=4, do_sample=False)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"batch": batch, "in_len": in_len, "out_len": out_len, "wall_s": wall,
+            "output_tokens_per_s": batch * out_len / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=list(SHAPES), required=True)
+    ap.add_argument("--tokenizer-dir", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models-root", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--tie-margin", type=float, default=0.1)
+    ap.add_argument("--server-args", default="")
+    ap.add_argument("--skip-perf", action="store_true")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = ap.parse_args()
+    t0 = time.time()
+    dtype = getattr(torch, args.dtype)
+    model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / args.dtype, dtype)
+    print(f"checkpoint ready in {time.time() - t0:.0f} s", flush=True)
+    port = 31500
+    proc = start_server(model_dir, port, ["--dtype", args.dtype, *args.server_args.split()])
+    url = f"http://127.0.0.1:{port}"
+    vocab = SHAPES[args.shape]["vocab_size"]
+    result = {"shape": args.shape, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "server_args": args.server_args}
+    try:
+        result["model_info"] = httpx.get(f"{url}/get_model_info").json()
+        result["accuracy"] = compare_logits(url, model, prompts(args.num_prompts, 200, vocab, seed=1), 32,
+                                            args.tie_margin)
+        print(json.dumps(result["accuracy"]), flush=True)
+        if not args.skip_perf:
+            result["prefix_ttft"] = prefix_ttft(url, vocab)
+            result["radixlm_decode"] = [decode_throughput(url, b, 512, 128, vocab) for b in (1, 32)]
+            result["hf_generate"] = [hf_decode(model, b, 512, 128, vocab) for b in (1, 32)]
+        result["invariants"] = httpx.get(f"{url}/debug/check_invariants", timeout=60).json()
+    finally:
+        result["server_exit_code"] = stop_server(proc)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"gpu_e2e_{args.shape}_{args.dtype}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
