@@ -47,8 +47,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None
-    prefix = f"{param}: " if param else ""
-    return f"{prefix}{first.get('msg')}", param
+    if param is None:  # the body as a whole (empty, or JSON that is not an object)
+        if first.get("type") == "missing":
+            return "request body is empty; expected a JSON object", None
+        return f"request body: {first.get('msg')}", None
+    return f"{param}: {first.get('msg')}", param
 
 
 def sse(payload: Any) -> bytes:
@@ -58,9 +61,12 @@ def sse(payload: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def collect_until_disconnect(request: Request, chunks: AsyncIterator[SampleChunk]) -> list[SampleChunk]:
-    """Gather a whole generation; if the client disconnects first, stop (which aborts
-    the request in the scheduler) and raise asyncio.CancelledError."""
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, logs stay quiet
+
+
+async def collect_until_disconnect(request: Request, chunks: AsyncIterator[SampleChunk]) -> list[SampleChunk] | None:
+    """Gather a whole generation; None if the client disconnected first (the generation
+    is then closed, which aborts it in the scheduler and frees its pages)."""
     async def gather() -> list[SampleChunk]:
         return [c async for c in chunks]
 
@@ -73,7 +79,7 @@ async def collect_until_disconnect(request: Request, chunks: AsyncIterator[Sampl
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await chunks.aclose()
-            raise asyncio.CancelledError("client disconnected")
+            return None
 
 
 def create_app(tm: TokenizerManager, metrics: Metrics) -> FastAPI:
@@ -241,7 +247,10 @@ def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics)
         results = []
         for gen in gens:
             res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
-            for c in await collect_until_disconnect(request, tm.generate(gen)):
+            chunks = await collect_until_disconnect(request, tm.generate(gen))
+            if chunks is None:
+                return Response(status_code=CLIENT_CLOSED)
+            for c in chunks:
                 res[c.index].add(c)
                 metrics.observe_chunk(gen, c)
             results += [r.body() for r in res]

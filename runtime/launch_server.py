@@ -13,10 +13,13 @@ accepting requests, let uvicorn finish the in-flight ones, then stop the schedul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -47,6 +50,21 @@ def served_model_name(args: ServerArgs) -> str:
 
 class SchedulerStartError(RuntimeError):
     pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, minus re-raising SIGINT/SIGTERM after its graceful shutdown (that would
+    kill the launcher before it stops the scheduler, and exit with -15 instead of 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 async def _wait_ready(recv: MsgSocket, proc: mp.Process, timeout: float) -> m.SchedulerReady:
@@ -108,7 +126,7 @@ async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, 
     loop_kind = "uvloop" if _has_uvloop() else "asyncio"
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             loop=loop_kind, timeout_graceful_shutdown=30)
-    server = uvicorn.Server(config)
+    server = _Server(config)
     state = {"exit_code": 0}
     tasks = [asyncio.ensure_future(tm.recv_loop()), asyncio.ensure_future(_watchdog(proc, tm, server, state))]
     logger.info("serving %s on http://%s:%d (KV capacity %d tokens, %.1f MiB, page size %d)",
@@ -124,12 +142,11 @@ async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, 
 
 
 def _stop(proc: mp.Process) -> None:
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(10)
+    """The scheduler keeps no state worth saving and ignores SIGTERM (so a signal to the
+    whole process group drains HTTP first): stop it with SIGKILL."""
     if proc.is_alive():
         proc.kill()
-        proc.join(5)
+        proc.join(10)
 
 
 def _has_uvloop() -> bool:

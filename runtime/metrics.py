@@ -55,24 +55,19 @@ class Metrics:
         self.hit_rate = gauge("cache_hit_rate", "Prefix-cache token hit rate: cached / prompt tokens.")
         self.preemptions = gauge("num_preemptions_total", "Requests preempted so far.")
         self.evicted = gauge("evicted_pages_total", "Radix-tree pages evicted so far.")
-        self._started: dict[str, float] = {}
-        self._first: set[str] = set()
 
     def observe_chunk(self, gen, chunk) -> None:
-        key = f"{gen.rid}-{chunk.index}"
-        now = time.perf_counter()
-        start = self._started.setdefault(key, getattr(gen, "created", now))
-        if key not in self._first and (chunk.token_ids or chunk.finished):
-            self._first.add(key)
-            self.ttft.observe(now - start)
+        """Count one SampleChunk of request ``gen`` (stateless: the start time is
+        ``gen.created``; the first chunk with tokens carries all tokens so far)."""
+        elapsed = time.perf_counter() - gen.created
+        if chunk.token_ids and chunk.completion_tokens == len(chunk.token_ids):
+            self.ttft.observe(elapsed)
         if chunk.finished:
             self._requests.labels(model_name=self.model_name, finish_reason=chunk.finish_reason).inc()
             self.prompt_tokens.inc(chunk.prompt_tokens)
             self.generation_tokens.inc(chunk.completion_tokens)
             self.cached_tokens.inc(chunk.cached_tokens)
-            self.e2e.observe(now - start)
-            self._started.pop(key, None)
-            self._first.discard(key)
+            self.e2e.observe(elapsed)
 
     def render(self, stats: SchedulerStats | None) -> tuple[bytes, str]:
         if stats is not None:

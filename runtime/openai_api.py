@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from radixlm.runtime.http_server import SSE_DONE, collect_until_disconnect, sse
+from radixlm.runtime.http_server import CLIENT_CLOSED, SSE_DONE, collect_until_disconnect, sse
 from radixlm.runtime.metrics import Metrics
 from radixlm.runtime.protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.runtime.tokenizer_manager import (
@@ -165,7 +165,10 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
         if body.stream:
             stream = _stream(tm, metrics, gens, body, rid, created, chat=False)
             return StreamingResponse(stream, media_type="text/event-stream")
-        choices, usage = await _run_all(tm, metrics, gens, request)
+        done = await _run_all(tm, metrics, gens, request)
+        if done is None:
+            return Response(status_code=CLIENT_CLOSED)
+        choices, usage = done
         out = []
         for ch in choices:
             lp = (_completion_logprobs(tm, ch.ids, ch.logprobs, ch.top if body.logprobs else [], 0)
@@ -181,7 +184,10 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
         if body.stream:
             stream = _stream(tm, metrics, [gen], body, rid, created, chat=True)
             return StreamingResponse(stream, media_type="text/event-stream")
-        choices, usage = await _run_all(tm, metrics, [gen], request)
+        done = await _run_all(tm, metrics, [gen], request)
+        if done is None:
+            return Response(status_code=CLIENT_CLOSED)
+        choices, usage = done
         out = []
         for ch in choices:
             lp = _chat_logprobs(tm, ch.ids, ch.logprobs, ch.top) if body.logprobs else None
@@ -192,13 +198,17 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
 
 
 async def _run_all(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput],
-                   request: Request) -> tuple[list[_Choice], _Usage]:
+                   request: Request) -> tuple[list[_Choice], _Usage] | None:
+    """Run every prompt's samples; None if the client disconnected."""
     choices: list[_Choice] = []
     usage = _Usage()
     for gen in gens:
         base = len(choices)
         choices += [_Choice(base + i) for i in range(gen.n)]
-        for c in await collect_until_disconnect(request, tm.generate(gen)):
+        chunks = await collect_until_disconnect(request, tm.generate(gen))
+        if chunks is None:
+            return None
+        for c in chunks:
             choices[base + c.index].add(c)
             usage.add(c)
             metrics.observe_chunk(gen, c)

@@ -25,6 +25,10 @@ __all__ = [
 ]
 
 NonNegInt = Annotated[int, Field(ge=0)]
+# Integers that travel to the scheduler (msgpack, torch int64) must fit in 64 bits: a
+# larger one was a 500 in the tokenizer process (top_k: a dead scheduler) instead of a 400.
+INT64_MAX = 2**63 - 1
+TokenIdInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
 StopField = str | list[str] | None
 
 
@@ -42,15 +46,15 @@ class _Sampling(BaseModel):
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: StopField = None
-    stop_token_ids: list[NonNegInt] | None = None
+    stop_token_ids: list[TokenIdInt] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)  # seed + i (n <= 128) fits too
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -67,7 +71,7 @@ class _Sampling(BaseModel):
 
 class NativeSamplingParams(_Sampling):
     max_new_tokens: int = Field(128, ge=0)
-    min_new_tokens: int = Field(0, ge=0)
+    min_new_tokens: int = Field(0, ge=0, le=INT64_MAX)
     n: int = Field(1, ge=1, le=128)
 
     def to_sampling(self) -> SamplingParams:
@@ -108,7 +112,7 @@ class _OpenAIBase(_Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
 

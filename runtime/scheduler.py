@@ -250,7 +250,8 @@ class Scheduler:
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None) -> None:
     """Entry point of the scheduler child process."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns shutdown
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns shutdown: it drains
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # HTTP requests first, then kills us
     send = MsgSocket(zmq.PUSH, send_addr, bind=False)
     recv = MsgSocket(zmq.PULL, recv_addr, bind=False)
     try:
