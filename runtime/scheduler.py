@@ -109,6 +109,18 @@ class Scheduler:
             self._debug_check("after step")
         return True
 
+    def _safe_step(self) -> bool:
+        """step(), but an exception (a bug, a device error) fails the requests in flight
+        with an error instead of killing the server; their pages are freed."""
+        try:
+            return self.step()
+        except Exception as exc:  # report and keep serving
+            logger.exception("scheduler step failed; aborting %d requests", len(self.planner.running))
+            for req in list(self.planner.running):
+                req.finish("abort", error=f"internal error: {type(exc).__name__}: {exc}")
+                self._finish(req)
+            return True
+
     def _process_results(self, decision: ScheduleDecision, results: list[ItemResult]) -> None:
         for item, res in zip(decision.items, results, strict=True):
             req = item.req
@@ -229,7 +241,7 @@ class Scheduler:
             msgs = ([msg] if msg is not None else []) + recv.recv_all()
             for msg in msgs:
                 self.handle(msg)
-            worked = self.step()
+            worked = self._safe_step()
             self._flush(send)
             if not worked and not self.has_work and self.args.debug_invariants and msgs:
                 self._debug_check("when idle")

@@ -107,18 +107,24 @@ class TokenizerManager:
     async def recv_loop(self) -> None:
         while True:
             msg = await self.recv.arecv()
-            if isinstance(msg, m.BatchOutput):
-                for out in msg.outputs:
-                    entry = self.queues.get(out.rid)
-                    if entry is not None:
-                        entry[0].put_nowait((entry[1], out))
-            elif isinstance(msg, m.SchedulerStats):
-                self.stats = msg
-            elif isinstance(msg, m.FlushCacheOut | m.CheckInvariantsOut):
-                waiters = self.control_waiters.pop(type(msg), [])
-                for fut in waiters:
-                    if not fut.done():
-                        fut.set_result(msg)
+            try:
+                self._dispatch(msg)
+            except Exception:  # never let one bad message stop every request's output
+                logger.exception("failed to dispatch %s", type(msg).__name__)
+
+    def _dispatch(self, msg: m.Message) -> None:
+        if isinstance(msg, m.BatchOutput):
+            for out in msg.outputs:
+                entry = self.queues.get(out.rid)
+                if entry is not None:
+                    entry[0].put_nowait((entry[1], out))
+        elif isinstance(msg, m.SchedulerStats):
+            self.stats = msg
+        elif isinstance(msg, m.FlushCacheOut | m.CheckInvariantsOut):
+            waiters = self.control_waiters.pop(type(msg), [])
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(msg)
 
     def fail_all(self, reason: str) -> None:
         """The scheduler died: wake every waiting request with an error."""

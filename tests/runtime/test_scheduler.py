@@ -1,0 +1,123 @@
+"""Scheduler message handling and output on CPU with a stub model runner (no model)."""
+
+from __future__ import annotations
+
+from radixlm.runtime import messages as m
+from radixlm.runtime.model_runner import ItemResult
+from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.server_args import ServerArgs
+
+EOS = 2
+
+
+class StubRunner:
+    """Samples ``next_token`` for every request that reaches the end of its sequence."""
+
+    num_pages = 33  # 32 usable pages of 16 tokens
+    tokenizer = None
+    eos_token_ids = {EOS}
+    context_length = 256
+
+    def __init__(self, next_token: int = 7, fail: bool = False) -> None:
+        self.next_token, self.fail, self.calls = next_token, fail, 0
+
+    def execute(self, decision):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("device error")
+        return [ItemResult(next_id=self.next_token if it.samples else None, logprob=-0.5)
+                for it in decision.items]
+
+
+def make(runner: StubRunner, **args) -> Scheduler:
+    return Scheduler(ServerArgs(**args), runner)
+
+
+def gen(rid: str, n_prompt: int = 20, **sp) -> m.GenerateReq:
+    return m.GenerateReq(rid=rid, input_ids=list(range(100, 100 + n_prompt)),
+                         sampling=m.SamplingParams(**{"max_new_tokens": 4, **sp}))
+
+
+def run(s: Scheduler) -> list[m.ReqOutput]:
+    for _ in range(50):
+        s._safe_step()
+    s.check_invariants()
+    out, s.outbox = s.outbox, []
+    return out
+
+
+def test_generates_max_new_tokens_then_finishes_with_length():
+    s = make(StubRunner())
+    s.handle(gen("a"))
+    (out,) = run(s)
+    assert out.rid == "a" and out.new_token_ids == [7, 7, 7, 7]
+    assert out.finish_reason == "length" and out.prompt_tokens == 20 and out.cached_tokens == 0
+    assert s.cache.cached_pages == 1  # 20 prompt + 3 fed outputs = 23 tokens -> 1 full page
+
+
+def test_eos_stops_unless_ignored():
+    s = make(StubRunner(next_token=EOS))
+    s.handle(gen("a"))
+    s.handle(gen("b", ignore_eos=True))
+    outs = {o.rid: o for o in run(s)}
+    assert outs["a"].new_token_ids == [EOS] and outs["a"].finish_reason == "stop"
+    assert outs["a"].matched_stop == EOS
+    assert outs["b"].new_token_ids == [EOS] * 4 and outs["b"].finish_reason == "length"
+
+
+def test_second_request_reports_page_aligned_cached_tokens():
+    s = make(StubRunner())
+    s.handle(gen("a", n_prompt=40))
+    run(s)
+    s.handle(gen("b", n_prompt=40))
+    (out,) = run(s)
+    assert out.cached_tokens == 32  # (40 - 1) // 16 * 16
+
+
+def test_max_new_tokens_zero_finishes_without_running_the_model():
+    runner = StubRunner()
+    s = make(runner)
+    s.handle(gen("a", max_new_tokens=0))
+    (out,) = run(s)
+    assert out.finish_reason == "length" and out.new_token_ids == [] and runner.calls == 0
+
+
+def test_abort_frees_pages_and_sends_nothing():
+    s = make(StubRunner())
+    s.handle(gen("a", max_new_tokens=100))
+    s._safe_step()
+    s.handle(m.AbortReq(rid="a"))
+    assert run(s) == []
+    assert not s.reqs and s.cache.tree.protected_pages == 0
+
+
+def test_duplicate_rid_is_rejected():
+    s = make(StubRunner())
+    s.handle(gen("a", max_new_tokens=100))
+    s.handle(gen("a"))
+    first = s.outbox[0]
+    assert first.finish_reason == "abort" and "duplicate" in first.error
+
+
+def test_flush_refused_while_running_then_done_when_idle():
+    s = make(StubRunner())
+    s.handle(gen("a", max_new_tokens=100))
+    s.handle(m.FlushCacheReq())
+    assert s.control_out.pop().success is False
+    s.handle(m.AbortReq(rid="a"))
+    s.handle(m.FlushCacheReq())
+    assert s.control_out.pop().success is True
+    assert s.cache.cached_pages == 0
+
+
+def test_step_failure_aborts_requests_with_error_and_keeps_serving():
+    runner = StubRunner(fail=True)
+    s = make(runner)
+    s.handle(gen("a"))
+    (out,) = run(s)
+    assert out.finish_reason == "abort" and "device error" in out.error
+    assert not s.reqs
+    runner.fail = False
+    s.handle(gen("b"))
+    (out,) = run(s)
+    assert out.finish_reason == "length" and len(out.new_token_ids) == 4
