@@ -41,8 +41,12 @@ Caveats: N is chosen on the host (``decode_num_splits``) from an upper bound on 
 sequence length, so one launch shape serves a whole batch (and a CUDA graph); each request
 then splits its own length into N parts. An eager call costs 90-130 us of host time on the
 H200 host (two Triton launches plus checks; bench/KERNELS.md), far more than the GPU time
-of a small batch: replay decode steps from a CUDA graph. Quantised pools are reserved
-through ``k_scale``/``v_scale`` and not implemented yet.
+of a small batch: replay decode steps from a CUDA graph. Short contexts are limited by a
+fixed cost per call, not by the split count: on the H200, batch 32 streams K/V at ~4.5 TB/s
+(29.6 us per 1K keys) on top of ~15-22 us per call (one launch from a graph, the first
+dependent page-table -> K/V loads, the ~3 us merge kernel, write-back of dirty L2 lines), so
+32 x 2K reaches 0.77 of the copy bandwidth and 32 x 8K 0.96 (bench/KERNELS.md). Quantised
+pools are reserved through ``k_scale``/``v_scale`` and not implemented yet.
 """
 
 from __future__ import annotations
@@ -277,7 +281,6 @@ def decode_attention(
     config = config or DecodeConfig()
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
-    group = num_heads // num_kv_heads
     if num_splits is None:
         bound = page_table.shape[1] * page_size
         num_splits = decode_num_splits(batch, num_kv_heads, bound, q.device, config)
@@ -286,8 +289,7 @@ def decode_attention(
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
-    direct = num_splits == 1
-    if direct:
+    if num_splits == 1:
         part_out = part_lse = out  # unused
     else:
         if workspace is None:
@@ -295,7 +297,31 @@ def decode_attention(
         part_out, part_lse = workspace.partial_out, workspace.partial_lse
         assert part_out.shape == (batch, num_heads, num_splits, head_dim), part_out.shape
         assert part_lse.shape == (batch, num_heads, num_splits) and part_out.is_contiguous()
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _launch(q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, scale,
+            num_splits, config)  # fmt: skip
+    return out
+
+
+def _launch(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    config: DecodeConfig,
+) -> tuple:
+    """Launch the split kernel (and the merge kernel when num_splits > 1); returns Triton's
+    compiled kernels (registers, shared memory; the merge entry is None when skipped)."""
+    batch, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = num_heads // num_kv_heads
+    direct = num_splits == 1
+    split = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
@@ -306,10 +332,11 @@ def decode_attention(
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    merge = None
     if not direct:
-        _decode_merge_kernel[(batch, num_heads)](
+        merge = _decode_merge_kernel[(batch, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4 if head_dim * num_splits >= 4096 else 2,
         )  # fmt: skip
-    return out
+    return split, merge

@@ -34,12 +34,17 @@ come from L2).
 
 Limits: D a power of two (16..256); fp16/bf16 (fp32 for tests, with IEEE fp32 dots).
 ``max_extend_len`` (host int) sizes the grid; blocks past a request's extend_len exit at
-once. Tile sizes come from ``default_extend_config`` (128 x 128 on sm_90, measured there).
+once. Launch parameters come from ``default_extend_config``: on sm_90 one of two tile
+configs by shape bucket (128 x 128 tiles when the cached prefix is at least as long as the
+extend, 64 x 64 for plain / short-prefix prefill), measured there (bench/KERNELS.md).
 
-Caveats: on an H200 a plain causal prefill (prefix 0, 4 x 2K tokens) reaches 0.42 of the
-bf16 matmul rate, 1.8x slower than PyTorch SDPA on contiguous KV, while long cached prefixes
-reach 0.53 and beat SDPA (bench/KERNELS.md). Quantised pools are reserved through
-``k_scale``/``v_scale`` and not implemented yet.
+Caveats: on an H200 (bench/KERNELS.md) a plain causal prefill (prefix 0, 4 x 2K tokens)
+reaches 0.44 of the bf16 matmul rate, 1.7x slower than PyTorch SDPA on contiguous KV, while
+2K-token extends on a cached prefix of >= 2K reach 0.51-0.54 and beat SDPA. Measured costs
+at prefix 0: the page-table lookup (the K/V addresses depend on a load: 13% with 128 x 128
+tiles, 5% with 64 x 64), the diagonal mask (6% with 64 x 64 tiles) and, with 128 x 128
+tiles (one program per SM), short causal programs (~8%). Quantised pools are reserved
+through ``k_scale``/``v_scale`` and not implemented yet.
 """
 
 from __future__ import annotations
@@ -64,34 +69,74 @@ class ExtendConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    # Launch the query blocks of each request longest (last) first: the causal work per
+    # block grows with its index, so this is longest-processing-time-first scheduling.
+    reverse_m: bool = True
+    # How the softmax scale (times log2 e) is applied: "mul" multiplies every score, then
+    # subtracts the running max; "fma" takes the max of the raw scores and folds scale and
+    # max into one fused multiply-add per score (as in Triton's attention tutorial);
+    # "q" multiplies q by the scale once per program (q rounded to its dtype afterwards).
+    scale_mode: str = "fma"
+    # Triton warp specialisation of the unmasked key loop (tl.range(warp_specialize=...)).
+    # Measured on an H200 with triton 3.6: no gain at 8 warps; fails to compile at 4.
+    warp_specialize: bool = False
 
 
-# Hopper (sm_90, 227 KB shared memory per block): 128 x 128 tiles, 3 stages. Measured on an
-# H200 (bench/KERNELS.md), batch 4, prefix 8K + 2K new: 3.41 ms (0.53 of the bf16 matmul
-# rate) vs 4.29 ms for 128 x 64 tiles / 8 warps / 3 stages and 3.68 ms for the fallback.
+# Hopper (sm_90, 227 KB shared memory per block), measured on an H200 (bench/KERNELS.md,
+# batch 4, 32/8 heads, D 128, bf16; "fma" scale in both):
+#  * long cached prefix: 128 x 128 tiles, 8 warps, 3 stages: 8K + 2K new in 3.31-3.33 ms
+#    (0.54 of the bf16 matmul rate), 2K + 2K in 1.18-1.19 ms (0.50-0.51), vs 3.6-3.8 / 1.25
+#    ms for 64 x 64 tiles;
+#  * plain or short-prefix prefill: 64 x 64 tiles, 4 warps, 2 stages (80 KB of shared
+#    memory: 2 programs per SM): 0 + 2K in 455 us, 0 + 512 in 50 us, vs 467 / 61 us for the
+#    128 x 128 tiles (one 161 KB program per SM).
 HOPPER_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+HOPPER_PREFILL_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 
 @functools.lru_cache(maxsize=16)
-def default_extend_config(device: torch.device) -> ExtendConfig:
-    """The launch parameters used when the caller passes none: the Hopper tiles on compute
-    capability >= 9.0, else the smaller ``ExtendConfig()`` (fits ~100 KB of shared memory)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+def _is_hopper_or_newer(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def default_extend_config(
+    device: torch.device, max_extend_len: int | None = None, max_seq_len: int | None = None
+) -> ExtendConfig:
+    """The launch parameters used when the caller passes none.
+
+    Below compute capability 9.0: ``ExtendConfig()`` (fits ~100 KB of shared memory). On
+    Hopper and newer, by shape bucket (host-side bounds; no device sync):
+    ``HOPPER_EXTEND_CONFIG`` when the keys per request (bound ``max_seq_len``) are at least
+    twice the new tokens (``max_extend_len`` >= 128), i.e. the cached prefix is at least as
+    long as the extend; ``HOPPER_PREFILL_CONFIG`` otherwise (plain or short-prefix prefill,
+    and extends under 128 tokens). With no bounds given: ``HOPPER_EXTEND_CONFIG``."""
+    if not _is_hopper_or_newer(device):
+        return ExtendConfig()
+    if max_extend_len is None or max_seq_len is None:
         return HOPPER_EXTEND_CONFIG
-    return ExtendConfig()
+    if max_extend_len >= 128 and max_seq_len >= 2 * max_extend_len:
+        return HOPPER_EXTEND_CONFIG
+    return HOPPER_PREFILL_CONFIG
 
 
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
-    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SCALE_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, NO_LOOKUP: tl.constexpr,
 ):  # fmt: skip
-    """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i)."""
+    """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i).
+
+    SCALE_MODE 0: scores times qk_scale_log2, then minus the max; 1: max of the raw scores,
+    then one fused multiply-add per score; 2: q already carries the scale.
+    NO_LOOKUP (measurement probe): page = page_base + key // PAGE_SIZE, no page-table load."""
     keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
     dims = tl.arange(0, HEAD_DIM)
-    if MASKED:
+    if NO_LOOKUP:
+        valid = keys < key_end
+        page = (page_base + keys // PAGE_SIZE).to(tl.int64)
+    elif MASKED:
         valid = keys < key_end
         page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
     else:
@@ -104,13 +149,18 @@ def _attend_tile(
     else:
         k = tl.load(k_ptr)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Mb, Nb]
-    s = s * qk_scale_log2  # log2 domain
+    if SCALE_MODE == 0:
+        s = s * qk_scale_log2  # log2 domain
     if MASKED:
         causal = (keys[None, :] <= rows_pos[:, None]) & valid[None, :]
         s = tl.where(causal, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SCALE_MODE == 1:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+        p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
@@ -129,10 +179,15 @@ def _extend_kernel(
     stride_ptb, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    REVERSE_M: tl.constexpr, SCALE_MODE: tl.constexpr, WARP_SPEC: tl.constexpr,
+    PROBE: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     b = tl.program_id(1)
-    m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # longest blocks first
+    if REVERSE_M:
+        m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # longest blocks first
+    else:
+        m_block = tl.program_id(2)
     row0 = tl.load(CuExtend + b)
     extend_len = tl.load(CuExtend + b + 1) - row0
     m0 = m_block * BLOCK_M
@@ -146,8 +201,13 @@ def _extend_kernel(
     row_mask = rows < extend_len
     q_ptr = Q + (row0 + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + dims[None, :], mask=row_mask[:, None], other=0.0)  # [Mb, D]
+    if SCALE_MODE == 2:
+        q = (q * qk_scale_log2).to(Q.dtype.element_ty)
     rows_pos = prefix_len + rows  # [Mb] absolute position = last key each row sees
     page_row = PageTable + b * stride_ptb
+    page_base = 0
+    if PROBE == 3:  # measurement probe: request b's pages are b * 1024 + 1, + 2, ...
+        page_base = b * 1024 + 1
     k_base = KPool + kv_head * stride_kk
     v_base = VPool + kv_head * stride_vk
 
@@ -157,22 +217,29 @@ def _extend_kernel(
     # Keys [0, prefix_len + m0] are visible to every row: whole tiles of them need no mask.
     full_end = (prefix_len + m0 + 1) // BLOCK_N * BLOCK_N
     key_end = prefix_len + tl.minimum(m0 + BLOCK_M, extend_len)
-    for n0 in range(0, full_end, BLOCK_N):
+    if PROBE == 2:  # measurement probe (wrong result): every block reads every key, unmasked
+        key_end = prefix_len + extend_len
+        full_end = key_end // BLOCK_N * BLOCK_N
+    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, DOT_PRECISION,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3,
         )  # fmt: skip
+    # Diagonal tiles, masked (PROBE 1, a measurement probe with a wrong result: unmasked).
     for n0 in range(full_end, key_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, DOT_PRECISION,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
     o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + dims[None, :], out.to(Out.dtype.element_ty), mask=row_mask[:, None])
+
+
+_SCALE_MODES = {"mul": 0, "fma": 1, "q": 2}
 
 
 def _check_inputs(
@@ -227,23 +294,50 @@ def extend_attention(
         max_extend_len: host int >= every extend length (sizes the grid; no device sync).
         out: optional [T, H, D] output buffer (q's dtype, last dim contiguous).
         config: launch parameters (block sizes, warps, stages); default
-            ``default_extend_config(q.device)``.
+            ``default_extend_config(q.device, max_extend_len, Pmax * S)``.
         k_scale, v_scale: reserved for quantised pools; must be None.
     """
     if k_scale is not None or v_scale is not None:
         raise NotImplementedError("quantised KV pools are not supported yet")
     _check_inputs(q, k_pool, v_pool, page_table, cu_extend, prefix_lens)
-    config = config or default_extend_config(q.device)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    if config is None:
+        max_seq_len = page_table.shape[1] * k_pool.shape[1]  # bound on keys per request
+        config = default_extend_config(q.device, max_extend_len, max_seq_len)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     batch = page_table.shape[0]
     if batch == 0 or q.shape[0] == 0:
         return out
-    grid = (num_heads, batch, triton.cdiv(max_extend_len, config.block_m))
-    _extend_kernel[grid](
+    _launch(q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, scale,
+            max_extend_len, config)  # fmt: skip
+    return out
+
+
+def _launch(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_extend: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    max_extend_len: int,
+    config: ExtendConfig,
+    probe: int = 0,
+):
+    """Launch ``_extend_kernel``; returns Triton's compiled kernel (registers, shared memory).
+
+    ``probe`` is for measurements only (bench/bench_kernels.py): 1 = diagonal tiles without
+    the causal mask, 2 = every query block reads all keys unmasked (uniform program
+    lengths); both give wrong results and assume prefix and extend lengths that are
+    multiples of ``block_n``. 3 = no page-table loads: request b's pages are taken to be
+    b * 1024 + 1, + 2, ... (right only for such a table, fewer than 1024 pages each)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_pool.shape[2]
+    grid = (num_heads, page_table.shape[0], triton.cdiv(max_extend_len, config.block_m))
+    return _extend_kernel[grid](
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out,
         scale * LOG2E,
         q.stride(0), q.stride(1),
@@ -251,8 +345,9 @@ def extend_attention(
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        REVERSE_M=config.reverse_m, SCALE_MODE=_SCALE_MODES[config.scale_mode],
+        WARP_SPEC=config.warp_specialize, PROBE=probe,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return out

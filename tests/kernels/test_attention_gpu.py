@@ -15,7 +15,11 @@ pytest.importorskip("triton")
 
 from radixlm.kernels import reference  # noqa: E402
 from radixlm.kernels.decode_attention import decode_attention  # noqa: E402
-from radixlm.kernels.extend_attention import extend_attention  # noqa: E402
+from radixlm.kernels.extend_attention import (  # noqa: E402
+    HOPPER_EXTEND_CONFIG,
+    HOPPER_PREFILL_CONFIG,
+    extend_attention,
+)
 from radixlm.kernels.store_kv import store_kv  # noqa: E402
 
 pytestmark = [
@@ -53,13 +57,32 @@ def test_decode_bf16(paged_case, relerr, shape: str, page_size: int) -> None:
         assert relerr(out, ref) < 1e-2, num_splits
 
 
+EXTEND_CONFIGS = {"default": None, "long": HOPPER_EXTEND_CONFIG, "prefill": HOPPER_PREFILL_CONFIG}
+
+
+@pytest.mark.parametrize("config", list(EXTEND_CONFIGS))
 @pytest.mark.parametrize(
     ("shape", "page_size"), [("llama3-8b", 16), ("llama3-8b", 1), ("smollm2", 16)]
 )
-def test_extend_bf16(paged_case, relerr, shape: str, page_size: int) -> None:
+def test_extend_bf16(paged_case, relerr, shape: str, page_size: int, config: str) -> None:
     heads, kv_heads, head_dim = SHAPES[shape]
     specs = [(0, 300), (1000, 129), (4103, 700), (5, 1), (0, 1), (16, 16)]
     case = paged_case(specs, heads, kv_heads, head_dim, page_size, BF16, seed=1)
+    out = torch.full_like(case.q, float("nan"))
+    extend_attention(
+        case.q, case.k_pool, case.v_pool, case.page_table, case.cu_extend, case.prefix_lens,
+        case.scale, case.max_extend, out=out, config=EXTEND_CONFIGS[config],
+    )  # fmt: skip
+    assert not out.isnan().any()
+    assert relerr(out, _reference(case)) < 1e-2
+
+
+def test_extend_bf16_plain_prefill_default(paged_case, relerr) -> None:
+    """A batch of plain / short-prefix prefills (the default picks the prefill tiles on
+    sm_90): lengths that are not multiples of 64, one request of one token."""
+    heads, kv_heads, head_dim = SHAPES["llama3-8b"]
+    specs = [(0, 1000), (0, 777), (100, 300), (0, 1), (37, 64)]
+    case = paged_case(specs, heads, kv_heads, head_dim, 16, BF16, seed=2)
     out = torch.full_like(case.q, float("nan"))
     extend_attention(
         case.q, case.k_pool, case.v_pool, case.page_table, case.cu_extend, case.prefix_lens,

@@ -83,14 +83,15 @@ def test_paged_attention_accepts_tensor_lengths_and_bf16() -> None:
         torch.tensor([1, 5], dtype=torch.int32),
     )
     k_pool, v_pool, table, ks, vs = make_paged([4, 5], 2, 4)
-    q = torch.randn(6, 4, HEAD_DIM)
+    q = torch.randn(6, 4, HEAD_DIM, generator=torch.Generator().manual_seed(2))
     out32 = paged_attention(q, k_pool, v_pool, table, prefix, extend, HEAD_DIM**-0.5)
     out16 = paged_attention(
         q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), table, [3, 0], [1, 5], HEAD_DIM**-0.5
     )
     assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16.float(), out32, atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(out32[0].double(), dense_attention(q[:1], ks[0], vs[0], 3)[0])
+    ref = dense_attention(q[:1], ks[0], vs[0], 3)[0]  # float64
+    torch.testing.assert_close(out32[0].double(), ref, atol=1e-5, rtol=1e-5)  # fp32 math
 
 
 def test_first_query_of_prefill_sees_only_itself() -> None:
