@@ -71,19 +71,33 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def compare_logits(url: str, model, ids_list: list[list[int]], new_tokens: int, tie_margin: float) -> dict:
-    """radixlm prompt logprobs + greedy tokens vs transformers on the same weights."""
+def _ref_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logprob of each prompt token given the ones before it: [L-1] float32."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=DEVICE)).logits[0].float()
+    targets = torch.tensor(ids[1:], device=DEVICE)[:, None]
+    return torch.log_softmax(logits, -1)[:-1].gather(1, targets)[:, 0].cpu()
+
+
+def compare_logits(url: str, model, ids_list: list[list[int]], new_tokens: int, tie_margin: float,
+                   model32=None) -> dict:
+    """radixlm prompt logprobs + greedy tokens vs transformers on the same weights. With
+    ``model32`` (the same weights in fp32) also the bf16 noise floor: transformers-bf16 vs
+    fp32 and radixlm vs fp32."""
     diffs, agree, first_div, near_tie_div = [], 0, [], 0
+    floor, ours32 = [], []
     with httpx.Client(base_url=url, timeout=600) as c:
         for ids in ids_list:
             r = c.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
                                           "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
                                                               "ignore_eos": True}}).json()
             ours = torch.tensor([t[0] for t in r["meta_info"]["input_token_logprobs"][1:]])
-            with torch.no_grad():
-                logits = model(torch.tensor([ids], device=DEVICE)).logits[0].float()
-            ref = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:], device=DEVICE)[:, None])[:, 0]
-            diffs.append((ours - ref.cpu()).abs())
+            ref = _ref_logprobs(model, ids)
+            diffs.append((ours - ref).abs())
+            if model32 is not None:
+                ref32 = _ref_logprobs(model32, ids)
+                floor.append((ref - ref32).abs())
+                ours32.append((ours - ref32).abs())
             out = r["output_ids"]
             ref_out = model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=new_tokens,
                                      do_sample=False, min_new_tokens=new_tokens, output_scores=True,
@@ -97,7 +111,11 @@ def compare_logits(url: str, model, ids_list: list[list[int]], new_tokens: int, 
             top2 = ref_out.scores[k][0].float().topk(2).values
             near_tie_div += int((top2[0] - top2[1]).item() < tie_margin)
     d = torch.cat(diffs)
-    return {"prompts": len(ids_list), "prompt_logprob_max_abs_diff": d.max().item(),
+    extra = {}
+    if floor:
+        extra = {"transformers_bf16_vs_fp32_mean_abs_diff": torch.cat(floor).mean().item(),
+                 "radixlm_vs_transformers_fp32_mean_abs_diff": torch.cat(ours32).mean().item()}
+    return {**extra, "prompts": len(ids_list), "prompt_logprob_max_abs_diff": d.max().item(),
             "prompt_logprob_mean_abs_diff": d.mean().item(), "greedy_identical": agree,
             "first_divergence_positions": first_div, "divergences_at_near_tie": near_tie_div,
             "tie_margin": tie_margin}
@@ -155,8 +173,14 @@ def hf_decode(model, batch: int, in_len: int, out_len: int, vocab: int) -> dict:
 
 def measure(url: str, model, vocab: int, args: argparse.Namespace, result: dict) -> None:
     result["model_info"] = httpx.get(f"{url}/get_model_info").json()
+    model32 = None
+    if args.fp32_reference:
+        import copy
+
+        model32 = copy.deepcopy(model).float()
     result["accuracy"] = compare_logits(url, model, prompts(args.num_prompts, 200, vocab, seed=1), 32,
-                                        args.tie_margin)
+                                        args.tie_margin, model32)
+    del model32
     print(json.dumps(result["accuracy"]), flush=True)
     if not args.skip_perf:
         result["prefix_ttft"] = prefix_ttft(url, vocab)
@@ -175,6 +199,8 @@ def main() -> None:
     ap.add_argument("--tie-margin", type=float, default=0.1)
     ap.add_argument("--server-args", default="")
     ap.add_argument("--skip-perf", action="store_true")
+    ap.add_argument("--fp32-reference", action="store_true",
+                    help="also compare with the same weights in fp32 (the bf16 noise floor)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     t0 = time.time()

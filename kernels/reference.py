@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["store_kv", "paged_attention", "gather_kv"]
+__all__ = ["store_kv", "paged_attention", "paged_decode_attention", "gather_kv"]
 
 IntList = Sequence[int] | torch.Tensor
 
@@ -129,3 +129,47 @@ def paged_attention(
         out[rows] = _attend_one(q[rows], k, v, p_len, scale).to(q.dtype)
         start += e_len
     return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: IntList,
+    scale: float,
+) -> torch.Tensor:
+    """Decode step (one query token per request), batched: no Python loop over requests.
+
+    Gathers every request's pages through the page table into a padded
+    [B, Lmax, K, D] block, masks positions >= seq_len, and attends with GQA grouping
+    (query heads of one kv head share its keys; no repeat of K/V). Same result as
+    ``paged_attention`` with extend length 1 per request.
+
+    Args:
+        q: [B, H, D] the new token's query of each request.
+        k_pool, v_pool: [P, S, K, D] pools of one layer, already holding the new tokens.
+        page_table: [B, Pmax] int32.
+        seq_lens: [B] tokens per request including the new one (tensor or host list).
+        scale: softmax scale.
+
+    Returns:
+        [B, H, D] in q's dtype (computed in float32).
+    """
+    batch, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    lens = torch.as_tensor(_as_list(seq_lens), device=q.device)
+    max_len = int(lens.max())
+    pages = page_table[:, : -(-max_len // page_size)].to(torch.long)  # [B, n]
+
+    def gather(pool: torch.Tensor) -> torch.Tensor:  # [B, n, S, K, D] -> [B, L, K, D]
+        return pool[pages].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].float()
+
+    k, v = gather(k_pool), gather(v_pool)
+    qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, D]
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, K, G, L]
+    pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, L]
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    v = v.masked_fill(pad[:, :, None, None], 0.0)  # unwritten slots may hold NaN: 0 * NaN = NaN
+    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)  # [B, K, G, D]
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -77,6 +77,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
         reference.store_kv(k_pool, v_pool, k, v, batch.out_slots)
+        scale = q.shape[-1] ** -0.5
+        if batch.is_decode:
+            seq_lens = [p + 1 for p in batch.prefix_lens_cpu]
+            return reference.paged_decode_attention(q, k_pool, v_pool, batch.page_table, seq_lens, scale)
         return reference.paged_attention(
             q,
             k_pool,
@@ -84,7 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
             batch.page_table,
             batch.prefix_lens_cpu,
             batch.extend_lens_cpu,
-            scale=q.shape[-1] ** -0.5,
+            scale=scale,
         )
 
 
