@@ -75,11 +75,15 @@ def default_gguf_path() -> Path:
 
 
 def gguf_cache_dir(gguf: Path, cache_root: Path) -> Path:
-    """Cache directory for ``gguf``: ``<root>/<stem>-<12 hex of abs path, size, mtime>``."""
-    gguf = gguf.resolve()
-    st = gguf.stat()
-    digest = hashlib.sha256(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root / f"{gguf.stem}-{digest}"
+    """Cache directory for ``gguf``: ``<root>/<stem>-<12 hex of the file's SHA-256>``.
+
+    Keyed by content, so the same file in another checkout or venv reuses the conversion
+    (hashing the 94 MiB default model takes a fraction of a second)."""
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return cache_root / f"{gguf.stem}-{digest.hexdigest()[:12]}"
 
 
 def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> str:

@@ -95,7 +95,7 @@ class ServerArgs:
                 type=base,
                 default=f.default,
                 choices=f.metadata.get("choices"),
-                help=f"{help_text} (default: {f.default})",
+                help=help_text if "default" in help_text else f"{help_text} (default: {f.default})",
             )
 
     @classmethod

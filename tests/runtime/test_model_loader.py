@@ -77,7 +77,15 @@ def test_changed_gguf_gets_a_new_cache_entry(
 ) -> None:
     cache = tmp_path / "cache"
     first = resolve_model_path(str(fake_gguf), cache_dir=str(cache))
-    os.utime(fake_gguf, ns=(1, 1))
+    os.utime(fake_gguf, ns=(1, 1))  # same content: same cache entry
+    assert resolve_model_path(str(fake_gguf), cache_dir=str(cache)) == first
+    copy = tmp_path / "elsewhere" / fake_gguf.name  # same content at another path (new venv)
+    copy.parent.mkdir()
+    copy.write_bytes(fake_gguf.read_bytes())
+    assert resolve_model_path(str(copy), cache_dir=str(cache)) == first
+    assert len(fake_converter) == 1
+    with open(fake_gguf, "ab") as f:  # new content: a new conversion
+        f.write(b"\0")
     assert resolve_model_path(str(fake_gguf), cache_dir=str(cache)) != first
     assert len(fake_converter) == 2
 
