@@ -117,7 +117,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _native_inputs(tm: TokenizerManager, req: GenerateRequest) -> list[tuple[list[int], str]]:
     if req.text is not None:
         texts = [req.text] if isinstance(req.text, str) else req.text
-        return [(tm.encode(t), "text") for t in texts]
+        return [(tm.encode(t, "text"), "text") for t in texts]
     ids = req.input_ids
     batch = ids if ids and isinstance(ids[0], list) else [ids]
     return [(list(b), "input_ids") for b in batch]
@@ -275,6 +275,9 @@ async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: Gener
             base += gen.n
     except SchedulerDied as exc:
         yield sse({"error": {"message": str(exc), "type": "server_error", "code": 503}})
+    except InvalidRequest as exc:
+        yield sse({"error": {"message": exc.message, "type": "invalid_request_error", "param": exc.param,
+                             "code": 400}})
     yield SSE_DONE
 
 

@@ -119,7 +119,7 @@ def _chat_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float], tops:
 # ----------------------------------------------------------------------------- requests
 def _completion_prompts(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [tm.encode(prompt)]
+        return [tm.encode(prompt, "prompt")]
     if not prompt:
         raise InvalidRequest("prompt is empty", "prompt")
     if isinstance(prompt[0], int):
@@ -249,6 +249,10 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], 
             base += gen.n
     except SchedulerDied as exc:
         yield sse({"error": {"message": str(exc), "type": "server_error", "code": 503}})
+        return
+    except InvalidRequest as exc:
+        yield sse({"error": {"message": exc.message, "type": "invalid_request_error", "param": exc.param,
+                             "code": 400}})
         return
     if include_usage:
         yield sse({"id": rid, "object": obj, "created": created, "model": tm.model_name,

@@ -39,6 +39,16 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+def _check_unicode(text: str, field_name: str) -> None:
+    """Reject strings that are not valid Unicode text (lone UTF-16 surrogates, which JSON
+    escapes like "\\ud800" can produce): they cannot be tokenized or sent on."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{field_name} is not valid Unicode: {exc.reason} at index {exc.start}",
+                             field_name) from exc
+
+
 class SchedulerDied(RuntimeError):
     """The scheduler process is gone; in-flight requests fail with this."""
 
@@ -137,7 +147,8 @@ class TokenizerManager:
                     fut.set_exception(SchedulerDied(reason))
 
     # ----------------------------------------------------------------- tokenization
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, field_name: str = "prompt") -> list[int]:
+        _check_unicode(text, field_name)
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -162,6 +173,11 @@ class TokenizerManager:
         n = len(gen.input_ids)
         if n == 0:
             raise InvalidRequest("prompt is empty", field_name)
+        _check_unicode(gen.rid, "rid")
+        if any(f"{gen.rid}-{i}" in self.queues for i in range(gen.n)):
+            raise InvalidRequest(f"request id {gen.rid!r} is already in use", "rid")
+        for stop in gen.sampling.stop:
+            _check_unicode(stop, "stop")
         vocab = self.ready.vocab_size
         if any(not 0 <= t < vocab for t in gen.input_ids):
             raise InvalidRequest(f"token ids must be in [0, {vocab})", field_name)
@@ -187,8 +203,11 @@ class TokenizerManager:
         if self.dead:
             raise SchedulerDied(self.dead)
         queue: asyncio.Queue = asyncio.Queue()
-        samples = self._start_samples(gen, queue)
+        if any(f"{gen.rid}-{i}" in self.queues for i in range(gen.n)):  # raced past validate()
+            raise InvalidRequest(f"request id {gen.rid!r} is already in use", "rid")
+        samples: list[_Sample] = []
         try:
+            self._start_samples(gen, queue, samples)
             remaining = len(samples)
             while remaining:
                 index, out = await queue.get()
@@ -201,8 +220,9 @@ class TokenizerManager:
         finally:
             self._end_samples(gen.rid, samples)
 
-    def _start_samples(self, gen: GenInput, queue: asyncio.Queue) -> list[_Sample]:
-        samples = []
+    def _start_samples(self, gen: GenInput, queue: asyncio.Queue, samples: list[_Sample]) -> None:
+        """Register and send every sample; ``samples`` grows as they are sent, so the
+        caller's cleanup covers a failure half-way."""
         for i in range(gen.n):
             rid = f"{gen.rid}-{i}"
             sp = gen.sampling
@@ -219,7 +239,6 @@ class TokenizerManager:
                 stream=gen.stream))
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, n=%d, %s", gen.rid, len(gen.input_ids), gen.n, gen.sampling)
-        return samples
 
     def _end_samples(self, rid: str, samples: list[_Sample]) -> None:
         for s in samples:

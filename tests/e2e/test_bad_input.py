@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -561,4 +562,59 @@ def test_c10_wrong_method_and_unknown_route_are_json_errors(server, idle_invaria
             assert r.json()["error"]["message"], r.text
         r = c.post("/v1/no-such-route", json={})
         assert r.status_code == 404 and r.json()["error"]["message"], r.text
+    idle_invariants(server)
+
+
+def test_lone_surrogates_are_400_not_500(server, idle_invariants):
+    """JSON escapes like "\\ud800" decode to lone UTF-16 surrogates, which are not valid
+    Unicode text: every field that carries text gets a 400 naming it, streams included."""
+    pid = _scheduler_pid(server)
+    cases = [
+        ("/generate", b'{"text":"\\ud800abc","sampling_params":{"max_new_tokens":2}}', "text"),
+        ("/generate", b'{"text":"abc","sampling_params":{"max_new_tokens":2,"stop":["\\udc00"]}}', "stop"),
+        ("/generate", b'{"text":"abc","rid":"\\ud800","sampling_params":{"max_new_tokens":2}}', "rid"),
+        ("/v1/completions", b'{"model":"' + MODEL.encode() + b'","prompt":"\\ud800","max_tokens":2}', "prompt"),
+        ("/v1/completions", b'{"model":"' + MODEL.encode() + b'","prompt":["ok","\\ud800"],"max_tokens":2}',
+         "prompt"),
+        ("/v1/completions", b'{"model":"' + MODEL.encode() + b'","prompt":"hi","max_tokens":2,"stop":"\\ud800",'
+         b'"stream":true}', "stop"),
+    ]
+    with server.client() as c:
+        for path, body, param in cases:
+            r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+            _assert_400(r, "unicode", param=param)
+    _assert_healthy(server, pid)
+    idle_invariants(server)
+
+
+def test_concurrent_duplicate_rid_is_refused_and_the_first_request_completes(server, idle_invariants):
+    long = {"text": "Tell me a story about a dragon", "rid": "dup-rid",
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    with server.client() as c, cf.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(c.post, "/generate", json=long)
+        deadline = 0
+        while deadline < 100:  # wait until the first request is registered (live in the scheduler)
+            if server.invariants()["num_live"]:
+                break
+            deadline += 1
+            time.sleep(0.05)
+        second = c.post("/generate", json={**long, "text": "List some fruits"})
+        _assert_400(second, "already in use", param="rid")
+        r = first.result(timeout=300)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["meta_info"]["completion_tokens"] == 24 and body["meta_info"]["id"] == "dup-rid"
+    idle_invariants(server)
+
+
+def test_repetition_penalty_out_of_range_is_400(server, idle_invariants):
+    """Dividing float32 logits by a penalty near 0 overflows to inf (NaN samples)."""
+    with server.client() as c:
+        for value in (1e-40, 0.0, 1e3):
+            r = c.post("/generate", json={"text": "Hi Hi Hi", "sampling_params": {
+                "max_new_tokens": 3, "temperature": 1, "repetition_penalty": value}})
+            _assert_400(r, param="sampling_params.repetition_penalty")
+        ok = c.post("/generate", json={"text": "Hi Hi Hi", "sampling_params": {
+            "max_new_tokens": 3, "temperature": 1, "repetition_penalty": 0.01, "seed": 1}})
+    assert ok.status_code == 200 and ok.json()["output_ids"] != [0, 0, 0], ok.text
     idle_invariants(server)
