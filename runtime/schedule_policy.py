@@ -118,6 +118,7 @@ class BatchPlanner:
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
                 self.running.remove(req)
+                self.cache.release(req)  # now: admission later in this plan needs the pages
                 decision.out_of_memory.append(req)
                 return False
             self._preempt(victim, decision)

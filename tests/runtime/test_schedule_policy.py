@@ -200,3 +200,39 @@ def test_idle_accounting_after_many_requests(radix):
     assert p.cache.allocator.num_free + cached == 19
     if not radix:
         assert cached == 0
+
+
+@pytest.mark.parametrize("order", [("d", "a", "b"), ("a", "d", "b"), ("b", "a", "d")])
+def test_request_outgrowing_the_pool_does_not_starve_requests_that_fit(order):
+    """d (16 + 50 tokens) cannot fit in 8 pages of 4 tokens even alone; a and b (12
+    tokens each) fit. d is cut with out_of_memory once it is alone and full; its pages
+    must be free for the admission that follows in the same plan, so a and b still get all
+    their tokens (they were rejected as 'never fits' before the fix)."""
+    p = make_planner(num_pages=9)
+    jobs = {"a": (list(range(5)), 7), "b": (list(range(50, 55)), 7), "d": (list(range(100, 116)), 50)}
+    reqs = {k: make_req(k, jobs[k][0], max_new=jobs[k][1]) for k in order}
+    for k in order:
+        p.add(reqs[k])
+    oom, done = [], []
+    for _ in range(300):
+        decision = p.plan()
+        for req in decision.out_of_memory:
+            oom.append(req.rid)
+            p.remove(req)
+        for it in decision.items:
+            req = it.req
+            was_prefill, samples = req.in_prefill, it.samples
+            req.num_computed += it.num_tokens
+            if was_prefill and not req.in_prefill:
+                p.cache.cache(req)
+            if samples:
+                req.output_ids.append(7)
+                if len(req.output_ids) >= req.sampling.max_new_tokens:
+                    done.append(req.rid)
+                    p.remove(req)
+        p.cache.check_invariants(p.live)
+        if not p.running and not p.waiting:
+            break
+    assert oom == ["d"]
+    assert sorted(done) == ["a", "b"]
+    assert len(reqs["a"].output_ids) == len(reqs["b"].output_ids) == 7
