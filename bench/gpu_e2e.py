@@ -1,8 +1,8 @@
 """GPU end-to-end check and measurements: radixlm server vs transformers, same weights.
 
-Builds a random-weight bf16 Hugging Face checkpoint of a real model shape (no real
-checkpoint can be brought to the GPU host), starts ``radixlm launch_server --device cuda``
-on it, and reports:
+Builds a random-weight bf16 Hugging Face checkpoint of a real model shape (``--shape``), or
+takes a real model (``--model-path``: an HF directory or a GGUF file, converted as the server
+does), starts ``radixlm launch_server --device cuda`` on it, and reports:
   * prompt logprobs of radixlm vs transformers (SDPA, same bf16 weights) on the same
     prompts: max / mean |delta|;
   * greedy tokens: agreement until the first near-tie (transformers' top-2 logit margin
@@ -13,6 +13,10 @@ on it, and reports:
 Results go to ``--out`` as JSON. Usage (on the GPU host, radixlm importable):
 
     python bench/gpu_e2e.py --shape smollm2 --tokenizer-dir tok/ --out $OUT
+    python bench/gpu_e2e.py --model-path SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+
+With a real model the accuracy prompts are chat-templated questions (``QUESTIONS``), not
+random ids.
 """
 
 from __future__ import annotations
@@ -33,23 +37,70 @@ from radixlm.runtime.server_process import ServerProcess
 DEVICE = os.environ.get("GPU_E2E_DEVICE", "cuda")  # "cpu" for a dry run of this script
 
 SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=49152, max_position_embeddings=8192,
-                 tie_word_embeddings=False),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
     # SmolLM2-135M-Instruct's real configuration.
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-                    rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
     # Llama-3-8B's shape (vocab cut to the carried tokenizer's 49152 so every id decodes).
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=49152, max_position_embeddings=8192,
-                      rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
 }
 
 
-def build_checkpoint(shape: str, tokenizer_dir: Path, root: Path, dtype: torch.dtype = torch.bfloat16):
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast the parameters only, as ``from_pretrained(dtype=...)`` leaves a model.
+
+    ``model.to(bfloat16)`` would also round the rotary ``inv_freq`` buffer to bf16, which
+    moves every RoPE angle (by ~0.4 rad at position 200 for the fastest frequency) and made
+    an earlier reference (and its fp32 copy) drift from the real model.
+    """
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+def build_checkpoint(
+    shape: str, tokenizer_dir: Path, root: Path, dtype: torch.dtype = torch.bfloat16
+):
     """Random weights (std 0.02, as Llama's init) saved with save_pretrained in ``dtype``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,13 +108,56 @@ def build_checkpoint(shape: str, tokenizer_dir: Path, root: Path, dtype: torch.d
     config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model = cast_parameters(LlamaForCausalLM(config), dtype).eval()
     if not (out / "config.json").exists():
         model.save_pretrained(out)
         for f in tokenizer_dir.iterdir():
-            if f.name not in ("config.json", "generation_config.json") and f.suffix != ".safetensors":
+            if (
+                f.name not in ("config.json", "generation_config.json")
+                and f.suffix != ".safetensors"
+            ):
                 shutil.copy(f, out / f.name)
     return out, model
+
+
+QUESTIONS = [
+    "What is the capital of France, and why is it famous?",
+    "Explain in two sentences how a hash table works.",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+    "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?",
+    "Give me a short recipe for pancakes.",
+    "Translate 'good morning' into Spanish and German.",
+]
+
+
+def load_real_model(model_path: str, dtype: torch.dtype):
+    """(HF directory the server will use, transformers model on DEVICE in ``dtype``)."""
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.model_loader import resolve_model_path
+
+    model_dir = Path(resolve_model_path(model_path))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
+    return model_dir, model
+
+
+def chat_prompts(model_dir: Path, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for q in (QUESTIONS * n)[:n]
+    ]
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -79,8 +173,9 @@ def _ref_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1)[:-1].gather(1, targets)[:, 0].cpu()
 
 
-def compare_logits(url: str, model, ids_list: list[list[int]], new_tokens: int, tie_margin: float,
-                   model32=None) -> dict:
+def compare_logits(
+    url: str, model, ids_list: list[list[int]], new_tokens: int, tie_margin: float, model32=None
+) -> dict:
     """radixlm prompt logprobs + greedy tokens vs transformers on the same weights. With
     ``model32`` (the same weights in fp32) also the bf16 noise floor: transformers-bf16 vs
     fp32 and radixlm vs fp32."""
@@ -88,9 +183,19 @@ def compare_logits(url: str, model, ids_list: list[list[int]], new_tokens: int, 
     floor, ours32 = [], []
     with httpx.Client(base_url=url, timeout=600) as c:
         for ids in ids_list:
-            r = c.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
-                                          "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
-                                                              "ignore_eos": True}}).json()
+            r = c.post(
+                "/generate",
+                json={
+                    "input_ids": ids,
+                    "return_logprob": True,
+                    "logprob_start_len": 0,
+                    "sampling_params": {
+                        "max_new_tokens": new_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                },
+            ).json()
             ours = torch.tensor([t[0] for t in r["meta_info"]["input_token_logprobs"][1:]])
             ref = _ref_logprobs(model, ids)
             diffs.append((ours - ref).abs())
@@ -99,11 +204,18 @@ def compare_logits(url: str, model, ids_list: list[list[int]], new_tokens: int, 
                 floor.append((ref - ref32).abs())
                 ours32.append((ours - ref32).abs())
             out = r["output_ids"]
-            ref_out = model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=new_tokens,
-                                     do_sample=False, min_new_tokens=new_tokens, output_scores=True,
-                                     return_dict_in_generate=True)
-            ref_ids = ref_out.sequences[0, len(ids):].tolist()
-            k = next((i for i, (a, b) in enumerate(zip(out, ref_ids, strict=False)) if a != b), None)
+            ref_out = model.generate(
+                torch.tensor([ids], device=DEVICE),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                min_new_tokens=new_tokens,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            ref_ids = ref_out.sequences[0, len(ids) :].tolist()
+            k = next(
+                (i for i, (a, b) in enumerate(zip(out, ref_ids, strict=False)) if a != b), None
+            )
             if k is None:
                 agree += 1
                 continue
@@ -113,19 +225,30 @@ def compare_logits(url: str, model, ids_list: list[list[int]], new_tokens: int, 
     d = torch.cat(diffs)
     extra = {}
     if floor:
-        extra = {"transformers_bf16_vs_fp32_mean_abs_diff": torch.cat(floor).mean().item(),
-                 "radixlm_vs_transformers_fp32_mean_abs_diff": torch.cat(ours32).mean().item()}
-    return {**extra, "prompts": len(ids_list), "prompt_logprob_max_abs_diff": d.max().item(),
-            "prompt_logprob_mean_abs_diff": d.mean().item(), "greedy_identical": agree,
-            "first_divergence_positions": first_div, "divergences_at_near_tie": near_tie_div,
-            "tie_margin": tie_margin}
+        extra = {
+            "transformers_bf16_vs_fp32_mean_abs_diff": torch.cat(floor).mean().item(),
+            "radixlm_vs_transformers_fp32_mean_abs_diff": torch.cat(ours32).mean().item(),
+        }
+    return {
+        **extra,
+        "prompts": len(ids_list),
+        "prompt_logprob_max_abs_diff": d.max().item(),
+        "prompt_logprob_mean_abs_diff": d.mean().item(),
+        "greedy_identical": agree,
+        "first_divergence_positions": first_div,
+        "divergences_at_near_tie": near_tie_div,
+        "tie_margin": tie_margin,
+    }
 
 
 def stream_one(url: str, ids: list[int], out_len: int) -> dict:
     t0 = time.perf_counter()
     stamps = []
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True},
+    }
     with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/generate", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -143,9 +266,15 @@ def decode_throughput(url: str, batch: int, in_len: int, out_len: int, vocab: in
         res = list(pool.map(lambda p: stream_one(url, p, out_len), ids))
     wall = time.perf_counter() - t0
     tpots = sorted(r["tpot_s"] for r in res)
-    return {"batch": batch, "in_len": in_len, "out_len": out_len, "wall_s": wall,
-            "output_tokens_per_s": batch * out_len / wall, "median_tpot_ms": 1e3 * tpots[len(tpots) // 2],
-            "decode_tokens_per_s": batch / tpots[len(tpots) // 2]}
+    return {
+        "batch": batch,
+        "in_len": in_len,
+        "out_len": out_len,
+        "wall_s": wall,
+        "output_tokens_per_s": batch * out_len / wall,
+        "median_tpot_ms": 1e3 * tpots[len(tpots) // 2],
+        "decode_tokens_per_s": batch / tpots[len(tpots) // 2],
+    }
 
 
 def prefix_ttft(url: str, vocab: int) -> dict:
@@ -167,8 +296,13 @@ def hf_decode(model, batch: int, in_len: int, out_len: int, vocab: int) -> dict:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return {"batch": batch, "in_len": in_len, "out_len": out_len, "wall_s": wall,
-            "output_tokens_per_s": batch * out_len / wall}
+    return {
+        "batch": batch,
+        "in_len": in_len,
+        "out_len": out_len,
+        "wall_s": wall,
+        "output_tokens_per_s": batch * out_len / wall,
+    }
 
 
 def measure(url: str, model, vocab: int, args: argparse.Namespace, result: dict) -> None:
@@ -178,8 +312,12 @@ def measure(url: str, model, vocab: int, args: argparse.Namespace, result: dict)
         import copy
 
         model32 = copy.deepcopy(model).float()
-    result["accuracy"] = compare_logits(url, model, prompts(args.num_prompts, 200, vocab, seed=1), 32,
-                                        args.tie_margin, model32)
+    ids_list = (
+        chat_prompts(Path(args.model_path_resolved), args.num_prompts)
+        if args.model_path
+        else prompts(args.num_prompts, 200, vocab, seed=1)
+    )
+    result["accuracy"] = compare_logits(url, model, ids_list, 32, args.tie_margin, model32)
     del model32
     print(json.dumps(result["accuracy"]), flush=True)
     if not args.skip_perf:
@@ -191,27 +329,55 @@ def measure(url: str, model, vocab: int, args: argparse.Namespace, result: dict)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=list(SHAPES), required=True)
-    ap.add_argument("--tokenizer-dir", type=Path, required=True)
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--shape", choices=list(SHAPES), help="random weights of this shape")
+    which.add_argument("--model-path", help="a real model: HF directory or GGUF file")
+    ap.add_argument("--tokenizer-dir", type=Path, help="tokenizer files for --shape")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models-root", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--tie-margin", type=float, default=0.1)
     ap.add_argument("--server-args", default="")
     ap.add_argument("--skip-perf", action="store_true")
-    ap.add_argument("--fp32-reference", action="store_true",
-                    help="also compare with the same weights in fp32 (the bf16 noise floor)")
+    ap.add_argument(
+        "--fp32-reference",
+        action="store_true",
+        help="also compare with the same weights in fp32 (the bf16 noise floor)",
+    )
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     t0 = time.time()
     dtype = getattr(torch, args.dtype)
-    model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / args.dtype, dtype)
+    if args.model_path:
+        model_dir, model = load_real_model(args.model_path, dtype)
+        args.model_path_resolved, args.shape = str(model_dir), model_dir.name
+        vocab = model.config.vocab_size
+    else:
+        if args.tokenizer_dir is None:
+            ap.error("--shape needs --tokenizer-dir")
+        model_dir, model = build_checkpoint(
+            args.shape, args.tokenizer_dir, args.models_root / args.dtype, dtype
+        )
+        vocab = SHAPES[args.shape]["vocab_size"]
     print(f"checkpoint ready in {time.time() - t0:.0f} s", flush=True)
-    flags = ["--model-path", str(model_dir), "--device", DEVICE, "--log-level", "warning", "--dtype", args.dtype,
-             *args.server_args.split()]
-    vocab = SHAPES[args.shape]["vocab_size"]
-    result = {"shape": args.shape, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "server_args": args.server_args}
+    flags = [
+        "--model-path",
+        str(model_dir),
+        "--device",
+        DEVICE,
+        "--log-level",
+        "warning",
+        "--dtype",
+        args.dtype,
+        *args.server_args.split(),
+    ]
+    result = {
+        "shape": args.shape,
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "server_args": args.server_args,
+    }
     with ServerProcess.launch(flags, startup_timeout=300) as srv:
         measure(srv.url, model, vocab, args, result)
         result["server_exit_code"] = srv.stop()
