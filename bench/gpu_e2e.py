@@ -6,7 +6,8 @@ does), starts ``radixlm launch_server --device cuda`` on it, and reports:
   * prompt logprobs of radixlm vs transformers (SDPA, same bf16 weights) on the same
     prompts: max / mean |delta|;
   * greedy tokens: agreement until the first near-tie (transformers' top-2 logit margin
-    below ``--tie-margin`` at that step) — a divergence after a near-tie is numerics;
+    below ``--tie-margin`` at that step) — a divergence after a near-tie is numerics; with
+    ``--fp32-reference`` also where radixlm and transformers-bf16 each leave fp32 greedy;
   * decode throughput at batch 1 and 32 (fixed output length, ``ignore_eos``), TPOT from
     streamed timestamps;
   * TTFT of a 4K-token prompt cold vs with its first 3968 tokens cached.
@@ -173,14 +174,37 @@ def _ref_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1)[:-1].gather(1, targets)[:, 0].cpu()
 
 
+def _greedy(model, ids: list[int], new_tokens: int) -> tuple[list[int], tuple[torch.Tensor, ...]]:
+    """transformers greedy continuation (stops at EOS) and the logits of each step."""
+    out = model.generate(
+        torch.tensor([ids], device=DEVICE),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(ids) :].tolist(), out.scores
+
+
+def _divergence(ours: list[int], ref: list[int], ref_scores) -> tuple[int | None, float | None]:
+    """(first position where ``ours`` leaves ``ref``, ref's top-2 logit margin there); ``ref``
+    may be shorter (it stopped at EOS), ``ours`` ran with ignore_eos."""
+    k = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), None)
+    if k is None:
+        return None, None
+    top2 = ref_scores[k][0].float().topk(2).values
+    return k, (top2[0] - top2[1]).item()
+
+
 def compare_logits(
     url: str, model, ids_list: list[list[int]], new_tokens: int, tie_margin: float, model32=None
 ) -> dict:
     """radixlm prompt logprobs + greedy tokens vs transformers on the same weights. With
     ``model32`` (the same weights in fp32) also the bf16 noise floor: transformers-bf16 vs
-    fp32 and radixlm vs fp32."""
-    diffs, agree, first_div, near_tie_div = [], 0, [], 0
-    floor, ours32 = [], []
+    fp32 and radixlm vs fp32, for the prompt logprobs and the greedy continuations. Greedy
+    runs are compared up to transformers' EOS (radixlm runs with ignore_eos)."""
+    diffs, floor, ours32 = [], [], []
+    div, div32_ours, div32_hf = [], [], []
     with httpx.Client(base_url=url, timeout=600) as c:
         for ids in ids_list:
             r = c.post(
@@ -199,44 +223,34 @@ def compare_logits(
             ours = torch.tensor([t[0] for t in r["meta_info"]["input_token_logprobs"][1:]])
             ref = _ref_logprobs(model, ids)
             diffs.append((ours - ref).abs())
+            ref_ids, ref_scores = _greedy(model, ids, new_tokens)
+            div.append(_divergence(r["output_ids"], ref_ids, ref_scores))
             if model32 is not None:
                 ref32 = _ref_logprobs(model32, ids)
                 floor.append((ref - ref32).abs())
                 ours32.append((ours - ref32).abs())
-            out = r["output_ids"]
-            ref_out = model.generate(
-                torch.tensor([ids], device=DEVICE),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                min_new_tokens=new_tokens,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-            ref_ids = ref_out.sequences[0, len(ids) :].tolist()
-            k = next(
-                (i for i, (a, b) in enumerate(zip(out, ref_ids, strict=False)) if a != b), None
-            )
-            if k is None:
-                agree += 1
-                continue
-            first_div.append(k)
-            top2 = ref_out.scores[k][0].float().topk(2).values
-            near_tie_div += int((top2[0] - top2[1]).item() < tie_margin)
+                ids32, scores32 = _greedy(model32, ids, new_tokens)
+                div32_ours.append(_divergence(r["output_ids"], ids32, scores32))
+                div32_hf.append(_divergence(ref_ids, ids32, scores32))
     d = torch.cat(diffs)
     extra = {}
     if floor:
         extra = {
             "transformers_bf16_vs_fp32_mean_abs_diff": torch.cat(floor).mean().item(),
             "radixlm_vs_transformers_fp32_mean_abs_diff": torch.cat(ours32).mean().item(),
+            "greedy_radixlm_vs_fp32": div32_ours,
+            "greedy_transformers_bf16_vs_fp32": div32_hf,
         }
+    diverged = [(k, m) for k, m in div if k is not None]
     return {
         **extra,
         "prompts": len(ids_list),
         "prompt_logprob_max_abs_diff": d.max().item(),
         "prompt_logprob_mean_abs_diff": d.mean().item(),
-        "greedy_identical": agree,
-        "first_divergence_positions": first_div,
-        "divergences_at_near_tie": near_tie_div,
+        "greedy_identical": len(div) - len(diverged),
+        "first_divergence_positions": [k for k, _ in diverged],
+        "margins_at_divergence": [m for _, m in diverged],
+        "divergences_at_near_tie": sum(m < tie_margin for _, m in diverged),
         "tie_margin": tie_margin,
     }
 
