@@ -8,10 +8,18 @@ then waiting requests are admitted first-come-first-served while budget, request
 and pages last.
 
 Out of pages: unlocked radix leaves are evicted first (inside PrefixCache.alloc); if that
-is not enough the newest running request is preempted (its KV is kept in the radix tree
-as far as it is page-aligned, the rest freed) and goes back to the waiting queue in its
+is not enough a running request chosen by the preemption policy (runtime/preemption.py:
+``lru``, ``longest``, ``importance``) is preempted (its KV is kept in the radix tree as
+far as it is page-aligned, the rest freed) and goes back to the waiting queue in its
 arrival order, to be recomputed later. A request that cannot grow even when it runs
 alone is finished with reason "length" (the KV pool is full).
+
+Admission reserves pages for the decode still ahead of the running requests and of the
+candidate: ``reserve_ratio * expected remaining tokens`` each (OutputLengthEstimator),
+at least one page per running request. The ratio starts at ``reserve_ratio_init``,
+decays linearly to ``reserve_ratio_min`` over ``reserve_decay_steps`` plans without a
+preemption, and jumps back to the initial value on a preemption (the adaptive
+"new token ratio" of SGLang), so preemptions stay rare without a lasting throughput cliff.
 
 The planner mutates only page tables and queue membership; it returns a
 ScheduleDecision that the model runner executes, so it is testable without a model.
@@ -22,6 +30,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from radixlm.runtime.preemption import OutputLengthEstimator, choose_victim
 from radixlm.runtime.prefix_cache import PrefixCache
 from radixlm.runtime.request import Req
 
@@ -61,6 +70,11 @@ class BatchPlanner:
         chunked_prefill_size: int,
         max_running_requests: int,
         enable_prefix_reuse: bool = True,
+        preemption_policy: str = "lru",
+        importance_weights: tuple[float, float, float] = (1.0, -1.0, -1.0),
+        reserve_ratio_init: float = 1.0,
+        reserve_ratio_min: float = 0.25,
+        reserve_decay_steps: int = 500,
     ) -> None:
         self.cache = cache
         self.page_size = cache.page_size
@@ -71,6 +85,14 @@ class BatchPlanner:
         self.waiting: list[Req] = []  # sorted by arrival
         self.running: list[Req] = []  # sorted by arrival
         self.num_preemptions = 0
+        self.preemption_policy = preemption_policy
+        self.importance_weights = importance_weights
+        self.estimator = OutputLengthEstimator()
+        self.reserve_ratio_init = reserve_ratio_init
+        self.reserve_ratio_min = min(reserve_ratio_min, reserve_ratio_init)
+        self._reserve_decay = (reserve_ratio_init - self.reserve_ratio_min) / max(reserve_decay_steps, 1)
+        self.reserve_ratio = reserve_ratio_init
+        self.step = 0  # plans made so far
 
     # ----------------------------------------------------------------- queues
     def add(self, req: Req) -> None:
@@ -78,7 +100,10 @@ class BatchPlanner:
         self.waiting.insert(bisect.bisect_right(keys, req.arrival), req)
 
     def remove(self, req: Req) -> None:
-        """Take a request out of the queues (abort / finish); its KV is released."""
+        """Take a request out of the queues (abort / finish); its KV is released. A
+        normal finish (stop or length, no error) feeds the output-length estimator."""
+        if req.finish_reason in ("stop", "length") and req.error is None:
+            self.estimator.observe(len(req.output_ids))
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
@@ -92,10 +117,16 @@ class BatchPlanner:
 
     # ----------------------------------------------------------------- planning
     def plan(self) -> ScheduleDecision:
+        self.step += 1
+        self.reserve_ratio = max(self.reserve_ratio_min, self.reserve_ratio - self._reserve_decay)
         decision = ScheduleDecision()
         budget = self._schedule_running(decision, self.max_prefill_tokens)
         self._admit_waiting(decision, budget)
         return decision
+
+    def _schedule(self, decision: ScheduleDecision, req: Req, n: int) -> None:
+        decision.items.append(ScheduleItem(req, req.num_computed, n))
+        req.last_scheduled_step = self.step
 
     def _chunk(self, req: Req, budget: int) -> int:
         return min(req.num_uncomputed, self.chunked_prefill_size, budget)
@@ -109,13 +140,15 @@ class BatchPlanner:
                 continue
             if not self._grow_or_preempt(req, req.num_computed + n, decision):
                 continue
-            decision.items.append(ScheduleItem(req, req.num_computed, n))
+            self._schedule(decision, req, n)
             budget -= n
         return budget
 
     def _grow_or_preempt(self, req: Req, num_tokens: int, decision: ScheduleDecision) -> bool:
         while not self.cache.grow(req, num_tokens):
-            victim = self.running[-1]
+            victim = choose_victim(
+                self.running, self.preemption_policy, self.step, self.estimator, self.importance_weights
+            )
             if victim is req and len(self.running) == 1:
                 self.running.remove(req)
                 self.cache.release(req)  # now: admission later in this plan needs the pages
@@ -134,6 +167,7 @@ class BatchPlanner:
                 break
         self.cache.release(req, keep_in_cache=True)
         self.num_preemptions += 1
+        self.reserve_ratio = self.reserve_ratio_init
         decision.preempted.append(req)
         self.add(req)
 
@@ -154,13 +188,14 @@ class BatchPlanner:
             self.waiting.pop(0)
             self.running.append(req)
             self.running.sort(key=lambda r: r.arrival)
-            decision.items.append(ScheduleItem(req, req.num_computed, n))
+            self._schedule(decision, req, n)
             budget -= n
 
     def _admit(self, req: Req) -> str:
         """Match the prefix and decide: "admit" if the pool can hold the request's whole
-        remaining sequence plus one page per running request, "wait" if it must wait for
-        running requests to free pages, "reject" if it can never fit."""
+        current sequence plus the decode reserve (``_decode_reserve``; no reserve when
+        nothing else runs), "wait" if it must wait for running requests to free pages,
+        "reject" if its sequence can never fit."""
         reused = 0
         if self.enable_prefix_reuse:
             reused = self.cache.match_and_lock(req, self._match_limit(req))
@@ -168,10 +203,26 @@ class BatchPlanner:
             req.cached_tokens = reused
             req.admitted = True
         need = -(-req.seq_len // self.page_size) - len(req.pages)
-        if need + len(self.running) <= self.cache.available_pages:
-            return "admit"
+        available = self.cache.available_pages
+        if need <= available and (not self.running or need + self._decode_reserve(req) <= available):
+            return "admit"  # alone, a request only needs its sequence to fit
         self.cache.release(req, keep_in_cache=False)
         return "wait" if self.running else "reject"
+
+    def _decode_reserve(self, candidate: Req) -> int:
+        """Pages to keep free for decode: for each running request (at least one page
+        each) and for ``candidate``, the pages that ``reserve_ratio`` x its expected
+        remaining output tokens would add beyond the pages it holds or is about to get."""
+        ratio = self.reserve_ratio
+
+        def extra(req: Req, min_pages: int) -> int:
+            if ratio <= 0:
+                return min_pages
+            tokens = req.seq_len + ratio * self.estimator.expected_remaining(req)
+            held = max(len(req.pages), -(-req.seq_len // self.page_size))
+            return max(-(-int(tokens) // self.page_size) - held, min_pages)
+
+        return sum(extra(r, 1) for r in self.running) + extra(candidate, 0)
 
     def _match_limit(self, req: Req) -> int:
         """Tokens that may come from the cache: never the last one (its logits are

@@ -51,6 +51,10 @@ class Scheduler:
             chunked_prefill_size=args.chunked_prefill_size,
             max_running_requests=args.max_running_requests,
             enable_prefix_reuse=not args.disable_radix_cache,
+            preemption_policy=args.preemption_policy,
+            importance_weights=args.importance_weight_values(),
+            reserve_ratio_init=args.decode_reserve_ratio,
+            reserve_ratio_min=args.decode_reserve_min_ratio,
         )
         self.stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids, runner.context_length)
         self.reqs: dict[str, Req] = {}

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from radixlm.runtime.preemption import PREEMPTION_POLICIES
+
 __all__ = ["ServerArgs"]
 
 
@@ -62,6 +64,27 @@ class ServerArgs:
         4096, "Per-step token budget: new prompt tokens + decode tokens in one forward pass."
     )
     max_running_requests: int = _opt(64, "Most requests decoding at the same time.")
+    preemption_policy: str = _opt(
+        "lru",
+        "Which running request gives way when decode runs out of KV pages: 'lru' (least "
+        "recently scheduled), 'longest' (most KV pages), 'importance' (weighted score, see "
+        "--importance-weights). Ties: newest arrival.",
+        tuple(PREEMPTION_POLICIES),
+    )
+    importance_weights: str = _opt(
+        "1,-1,-1",
+        "w1,w2,w3 of the importance score w1*recency + w2*memory_usage + "
+        "w3*expected_remaining_tokens (each term normalised to [0, 1] over the running "
+        "batch; lowest score is preempted first).",
+    )
+    decode_reserve_ratio: float = _opt(
+        1.0,
+        "Admission keeps this fraction of the running requests' expected remaining output "
+        "tokens free as KV pages; reset to this value after a preemption.",
+    )
+    decode_reserve_min_ratio: float = _opt(
+        0.25, "The decode reserve ratio decays to this value over 500 steps without preemption."
+    )
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
     attention_backend: str = _opt(
         "auto", "Attention backend ('auto': triton on CUDA, torch otherwise).", ("auto", "torch", "triton")
@@ -127,6 +150,19 @@ class ServerArgs:
             raise ValueError("--max-prefill-tokens must be >= --max-running-requests")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        self.importance_weight_values()  # raises on a malformed list
+        if not 0.0 <= self.decode_reserve_min_ratio <= self.decode_reserve_ratio:
+            raise ValueError("need 0 <= --decode-reserve-min-ratio <= --decode-reserve-ratio")
+
+    def importance_weight_values(self) -> tuple[float, float, float]:
+        """``--importance-weights`` as (w1, w2, w3). Raises ValueError if malformed."""
+        try:
+            w1, w2, w3 = (float(x) for x in self.importance_weights.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--importance-weights must be three comma-separated numbers, got {self.importance_weights!r}"
+            ) from None
+        return (w1, w2, w3)
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -324,12 +324,17 @@ def test_c07_prompt_at_context_limit(server_factory, idle_invariants):
         idle_invariants(srv)
 
 
-def test_c07_generation_outgrowing_a_tiny_pool(server_factory, idle_invariants):
+@pytest.mark.parametrize("policy", ["lru", "longest", "importance"])
+def test_c07_generation_outgrowing_a_tiny_pool(server_factory, idle_invariants, policy):
     """A 128-token pool (8 pages; "e.g. 512" shrunk for CPU time) with four concurrent
     ignore_eos requests: three need 50 tokens (4 pages) each, so they fit alone but not
     together (preemption); one would need 264 tokens, more than the whole pool (finished
-    with "length" when the pool is full). Every request completes; none is lost."""
-    with server_factory(max_total_tokens=128) as srv, srv.client() as c:
+    with "length" when the pool is full). Every request completes; none is lost; greedy
+    output equals the unpreempted reference, under each preemption policy. The decode
+    reserve is off so that admission lets them all in and preemption must happen."""
+    flags = dict(max_total_tokens=128, preemption_policy=policy, decode_reserve_ratio=0.0,
+                 decode_reserve_min_ratio=0.0)
+    with server_factory(**flags) as srv, srv.client() as c:
         info = c.get("/get_model_info").json()
         assert info["max_total_tokens"] == 128
         tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])

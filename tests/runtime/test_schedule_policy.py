@@ -10,6 +10,7 @@ import pytest
 from radixlm.radix import RadixTree
 from radixlm.runtime.memory_pool import PageAllocator
 from radixlm.runtime.messages import SamplingParams
+from radixlm.runtime.preemption import OutputLengthEstimator, choose_victim
 from radixlm.runtime.prefix_cache import PrefixCache
 from radixlm.runtime.request import Req
 from radixlm.runtime.schedule_policy import BatchPlanner
@@ -19,11 +20,11 @@ _clock = itertools.count()
 
 
 def make_planner(num_pages: int, radix: bool = True, budget: int = 64, chunk: int = 64,
-                 max_running: int = 8) -> BatchPlanner:
+                 max_running: int = 8, **kw) -> BatchPlanner:
     alloc = PageAllocator(num_pages)
     cache = PrefixCache(alloc, RadixTree(PAGE) if radix else None, PAGE)
     return BatchPlanner(cache, max_prefill_tokens=budget, chunked_prefill_size=chunk,
-                        max_running_requests=max_running, enable_prefix_reuse=radix)
+                        max_running_requests=max_running, enable_prefix_reuse=radix, **kw)
 
 
 def make_req(rid: str, prompt: list[int], max_new: int = 8) -> Req:
@@ -131,27 +132,137 @@ def test_eviction_frees_unlocked_leaves_before_preempting():
     assert p.num_preemptions == 0
 
 
-def test_preemption_recomputes_and_never_loses_a_request():
-    """Two requests that fit alone (20 tokens = 5 pages each) but not together (6 pages):
-    the newer one is preempted, recomputed later, and both finish all their tokens."""
-    p = make_planner(num_pages=7, max_running=4)
-    a, b = make_req("a", range(8), max_new=12), make_req("b", range(50, 58), max_new=12)
-    p.add(a)
-    p.add(b)
+def _run_to_completion(p: BatchPlanner, steps: int = 200) -> list[str]:
     done = []
-    for _ in range(80):
+    for _ in range(steps):
         run_step(p)
         for r in list(p.running):
             if len(r.output_ids) >= r.sampling.max_new_tokens:
+                r.finish("length")
                 finish(p, r)
                 done.append(r.rid)
         if not p.running and not p.waiting:
             break
-    assert done == ["a", "b"]  # the older request is never the victim
+    return done
+
+
+def test_preemption_recomputes_and_never_loses_a_request():
+    """Two requests that fit alone (20 tokens = 5 pages each) but not together (6 pages):
+    with no decode reserve both are admitted, the newer one is preempted, recomputed
+    later, and both finish all their tokens."""
+    p = make_planner(num_pages=7, max_running=4, reserve_ratio_init=0.0)
+    a, b = make_req("a", range(8), max_new=12), make_req("b", range(50, 58), max_new=12)
+    p.add(a)
+    p.add(b)
+    assert _run_to_completion(p) == ["a", "b"]  # the older request is never the victim
     assert p.num_preemptions >= 1
     assert len(a.output_ids) == len(b.output_ids) == 12
-    assert a.finish_reason is None and b.finish_reason is None  # nobody cut short
     p.cache.check_invariants([])
+
+
+def test_decode_reserve_avoids_the_preemption():
+    """The same two requests with the default reserve: b waits until a is done instead
+    of being admitted and preempted."""
+    p = make_planner(num_pages=7, max_running=4)
+    a, b = make_req("a", range(8), max_new=12), make_req("b", range(50, 58), max_new=12)
+    p.add(a)
+    p.add(b)
+    assert run_step(p) == [("a", 0, 8)]  # b: 2 pages + 3 reserved for a's 12 tokens > 6
+    assert _run_to_completion(p) == ["a", "b"]
+    assert p.num_preemptions == 0
+    assert len(a.output_ids) == len(b.output_ids) == 12
+
+
+def test_reserve_ratio_decays_and_jumps_back_on_preemption():
+    p = make_planner(num_pages=7, max_running=4, reserve_ratio_init=1.0, reserve_ratio_min=0.5,
+                     reserve_decay_steps=5)
+    for _ in range(3):
+        p.plan()
+    assert p.reserve_ratio == pytest.approx(0.7)
+    for _ in range(10):
+        p.plan()
+    assert p.reserve_ratio == pytest.approx(0.5)
+    a, b = make_req("a", range(8), max_new=12), make_req("b", range(50, 58), max_new=12)
+    p.add(a)
+    p.add(b)
+    p.reserve_ratio_min = p.reserve_ratio = 0.0  # let both in, then force a preemption
+    p._reserve_decay = 0.0
+    _run_to_completion(p)
+    assert p.num_preemptions >= 1 and p.reserve_ratio == 1.0
+
+
+def _running_trio(policy: str) -> tuple[BatchPlanner, dict[str, Req]]:
+    """a (oldest, 12 + 1 tokens, 3 pages), b (19 + 1, 5 pages), c (newest, 7 + 1, 2 pages),
+    all decoding; the rest of the pool taken, radix off so nothing is evictable. a's next
+    token needs a 4th page, so the plan must preempt someone."""
+    p = make_planner(num_pages=13, radix=False, preemption_policy=policy, reserve_ratio_init=0.0)
+    reqs = {"a": make_req("a", range(12), max_new=40), "b": make_req("b", range(100, 119), max_new=40),
+            "c": make_req("c", range(200, 207), max_new=4)}
+    for r in reqs.values():
+        p.add(r)
+    run_step(p)
+    assert [len(r.pages) for r in reqs.values()] == [3, 5, 2]
+    assert p.cache.allocator.num_free == 2
+    reqs["filler"] = Req(rid="filler", prompt_ids=[], sampling=SamplingParams())
+    reqs["filler"].pages = p.cache.allocator.alloc(p.cache.allocator.num_free)  # pool full
+    return p, reqs
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("lru", "c"), ("longest", "b")])
+def test_preemption_policy_picks_exact_victim(policy, victim):
+    """lru: c was idle in the last step (a and b ran). longest: b holds 5 pages."""
+    p, reqs = _running_trio(policy)
+    reqs["c"].last_scheduled_step = p.step - 1
+    held = {k: list(r.pages) for k, r in reqs.items()}
+    decision = p.plan()
+    assert [r.rid for r in decision.preempted] == [victim]
+    gone = reqs[victim]
+    assert gone.pages == [] and gone.num_computed == 0 and gone in p.waiting
+    assert set(held[victim]) - set(reqs["a"].pages) <= p.cache.allocator.free_pages()
+    assert len(reqs["a"].pages) == 4  # the request that needed a page got one
+    p.cache.check_invariants([*p.live, reqs["filler"]])
+
+
+def _req_with(rid: str, arrival: float, pages: int, generated: int, max_new: int, last_step: int) -> Req:
+    req = Req(rid=rid, prompt_ids=[1], sampling=SamplingParams(max_new_tokens=max_new), arrival=arrival)
+    req.pages, req.output_ids, req.last_scheduled_step = list(range(pages)), [5] * generated, last_step
+    return req
+
+
+def test_importance_score_terms_and_weights():
+    """At step 10, no output lengths observed (expected remaining = max_new - generated):
+    x: idle 0, 2 pages, 90 left -> recency 1, memory 0.25, remaining 1.0
+    y: idle 4, 8 pages, 10 left -> recency 0, memory 1.0, remaining 0.111
+    z: idle 2, 4 pages, 45 left -> recency 0.5, memory 0.5, remaining 0.5
+    weights (1, -1, -1): x -0.25, y -1.111, z -0.5 -> y;  (0, 1, 0): smallest KV -> x;
+    (0, 0, -1): most left -> x;  (1, 0, 0): idlest -> y;  (0, 0, 1): least left -> y."""
+    reqs = [_req_with("x", 0.0, 2, 10, 100, 10), _req_with("y", 1.0, 8, 30, 40, 6),
+            _req_with("z", 2.0, 4, 5, 50, 8)]
+    est = OutputLengthEstimator()
+    picks = {w: choose_victim(reqs, "importance", 10, est, w).rid
+             for w in [(1.0, -1.0, -1.0), (0.0, 1.0, 0.0), (0.0, 0.0, -1.0), (1.0, 0.0, 0.0), (0.0, 0.0, 1.0)]}
+    assert picks == {(1.0, -1.0, -1.0): "y", (0.0, 1.0, 0.0): "x", (0.0, 0.0, -1.0): "x",
+                     (1.0, 0.0, 0.0): "y", (0.0, 0.0, 1.0): "y"}
+    assert choose_victim(reqs, "importance", 10, est, (0.0, 0.0, 0.0)).rid == "z"  # tie: newest
+    assert choose_victim(reqs, "lru", 10, est).rid == "y"
+    assert choose_victim(reqs, "longest", 10, est).rid == "y"
+    with pytest.raises(ValueError, match="unknown preemption policy"):
+        choose_victim(reqs, "fifo", 10, est)
+
+
+def test_output_length_estimator():
+    est = OutputLengthEstimator()
+    req = make_req("r", range(3), max_new=100)
+    assert est.expected_remaining(req) == 100  # nothing observed: max_new_tokens
+    for n in (4, 10, 20):
+        est.observe(n)
+    req.output_ids = [1] * 5
+    assert est.expected_remaining(req) == pytest.approx(10.0)  # mean(10 - 5, 20 - 5)
+    req.output_ids = [1] * 25
+    assert est.expected_remaining(req) == 75  # no observation longer: the cap
+    short = make_req("s", range(3), max_new=8)
+    short.output_ids = [1] * 5
+    assert est.expected_remaining(short) == 3  # capped by its own max_new_tokens
 
 
 def test_request_that_cannot_fit_alone_is_reported_out_of_memory():
