@@ -126,6 +126,29 @@ class KVPool:
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """Copy ``pages`` of every layer to host memory (pinned on CUDA, so the copy is
+        asynchronous on the current stream) -> ``[layers, 2, n, S, K, D]`` in the pool
+        dtype; [:, 0] is K, [:, 1] is V. Used to swap a preempted request out."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        shape = (self.num_layers, 2, len(pages), self.page_size, self.num_kv_heads, self.head_dim)
+        host = torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        for layer in range(self.num_layers):
+            host[layer, 0].copy_(self.k[layer].index_select(0, index), non_blocking=True)
+            host[layer, 1].copy_(self.v[layer].index_select(0, index), non_blocking=True)
+        return host
+
+    def write_pages(self, pages: list[int], host: torch.Tensor) -> None:
+        """Inverse of ``read_pages``: ``host`` ``[layers, 2, len(pages), S, K, D]`` into
+        ``pages``. Raises ValueError on a shape mismatch."""
+        expected = (self.num_layers, 2, len(pages), self.page_size, self.num_kv_heads, self.head_dim)
+        if tuple(host.shape) != expected:
+            raise ValueError(f"host KV shape {tuple(host.shape)} != {expected}")
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        for layer in range(self.num_layers):
+            self.k[layer].index_copy_(0, index, host[layer, 0].to(self.device, non_blocking=True))
+            self.v[layer].index_copy_(0, index, host[layer, 1].to(self.device, non_blocking=True))
+
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_token * self.num_pages * self.page_size

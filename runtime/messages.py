@@ -135,6 +135,8 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     decode_tokens: int  # cumulative
     num_preemptions: int  # cumulative
     num_evicted_pages: int  # cumulative
+    num_swapped_out: int = 0  # cumulative: preemptions that swapped KV to host memory
+    prefill_tokens_recomputed: int = 0  # cumulative: KV computed again after a preemption
 
 
 class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):

@@ -55,6 +55,8 @@ class Metrics:
         self.hit_rate = gauge("cache_hit_rate", "Prefix-cache token hit rate: cached / prompt tokens.")
         self.preemptions = gauge("num_preemptions_total", "Requests preempted so far.")
         self.evicted = gauge("evicted_pages_total", "Radix-tree pages evicted so far.")
+        self.swapped_out = gauge("num_swapped_out_total", "Preemptions that swapped KV to host memory.")
+        self.recomputed = gauge("recomputed_tokens_total", "Tokens whose KV was computed again after a preemption.")
 
     def observe_chunk(self, gen, chunk) -> None:
         """Count one SampleChunk of request ``gen`` (stateless: the start time is
@@ -80,4 +82,6 @@ class Metrics:
             self.hit_rate.set(stats.prefill_tokens_cached / seen if seen else 0.0)
             self.preemptions.set(stats.num_preemptions)
             self.evicted.set(stats.num_evicted_pages)
+            self.swapped_out.set(stats.num_swapped_out)
+            self.recomputed.set(stats.prefill_tokens_recomputed)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -27,6 +27,7 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.memory_pool import KVPool, kv_bytes_per_token
 from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
+from radixlm.runtime.preemption import DEVICE_RATES, SwapCostModel
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling import SamplingBatch, SamplingInfo, sample
 from radixlm.runtime.schedule_policy import ScheduleDecision, ScheduleItem
@@ -109,6 +110,29 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- one step
     @torch.inference_mode()
+    def swap_cost_model(self) -> SwapCostModel:
+        """The swap-vs-recompute cost model of this model on this device."""
+        cfg = self.model.config
+        link, flops = DEVICE_RATES["cuda" if self.device.type == "cuda" else "cpu"]
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return SwapCostModel(
+            kv_bytes_per_token=self.pool.bytes_per_token,
+            params=sum(p.numel() for p in self.model.parameters()),
+            num_layers=cfg.num_hidden_layers,
+            q_dim=cfg.num_attention_heads * head_dim,
+            link_bytes_per_s=link,
+            flops_per_s=flops,
+        )
+
+    def apply_swaps(self, decision: ScheduleDecision) -> None:
+        """Swap-outs (pool pages -> host, kept on the request) then swap-ins (host ->
+        newly allocated pages), before the step's forward pass writes any page."""
+        for req, pages in decision.swap_out:
+            req.swap_handle = self.pool.read_pages(pages)
+        for swap in decision.swap_in:
+            self.pool.write_pages(swap.pages, swap.req.swap_handle[:, :, swap.first_page :])
+            swap.req.swap_handle = None
+
     def execute(self, decision: ScheduleDecision) -> list[ItemResult]:
         batch, rows = self.prepare(decision.items)
         hidden = self.model.forward(batch, self.pool)

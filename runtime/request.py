@@ -11,7 +11,9 @@ logits sample the next token).
 
 Preemption by recompute frees the KV (``num_computed`` back to 0); on resume the
 request is re-admitted like a new one whose prompt is ``all_ids``, so the radix tree
-usually still holds most of it.
+usually still holds most of it. Preemption by swap also copies the computed KV to host
+memory first; on resume what the tree no longer holds is copied back instead of
+recomputed.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ class Req:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     last_scheduled_step: int = 0
+    # Preemption by swap: the first ``swap_tokens`` positions' KV waits in host memory
+    # (``swap_handle``, set by the model runner) until re-admission copies it back.
+    swap_tokens: int = 0
+    swap_handle: Any = None
+    max_computed: int = 0  # high-water mark of num_computed (recompute accounting)
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:

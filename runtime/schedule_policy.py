@@ -28,13 +28,16 @@ ScheduleDecision that the model runner executes, so it is testable without a mod
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixlm.runtime.preemption import OutputLengthEstimator, choose_victim
 from radixlm.runtime.prefix_cache import PrefixCache
 from radixlm.runtime.request import Req
 
-__all__ = ["ScheduleItem", "ScheduleDecision", "BatchPlanner"]
+__all__ = ["PREEMPTION_MODES", "BatchPlanner", "ScheduleDecision", "ScheduleItem", "SwapIn"]
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 @dataclass
@@ -52,10 +55,23 @@ class ScheduleItem:
 
 
 @dataclass
+class SwapIn:
+    """Copy host KV pages ``req.swap_handle[:, :, first_page:]`` into ``pages``."""
+
+    req: Req
+    pages: list[int]
+    first_page: int
+
+
+@dataclass
 class ScheduleDecision:
     items: list[ScheduleItem] = field(default_factory=list)
     preempted: list[Req] = field(default_factory=list)
     out_of_memory: list[Req] = field(default_factory=list)  # finished: pool too small
+    # Executed before the forward pass, swap-outs first (their pages may be reused by a
+    # swap-in or by the forward of the same step).
+    swap_out: list[tuple[Req, list[int]]] = field(default_factory=list)
+    swap_in: list[SwapIn] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +91,9 @@ class BatchPlanner:
         reserve_ratio_init: float = 1.0,
         reserve_ratio_min: float = 0.25,
         reserve_decay_steps: int = 500,
+        preemption_mode: str = "recompute",
+        swap_capacity_tokens: int = 0,
+        swap_is_cheaper: Callable[[int], bool] | None = None,
     ) -> None:
         self.cache = cache
         self.page_size = cache.page_size
@@ -93,6 +112,13 @@ class BatchPlanner:
         self._reserve_decay = (reserve_ratio_init - self.reserve_ratio_min) / max(reserve_decay_steps, 1)
         self.reserve_ratio = reserve_ratio_init
         self.step = 0  # plans made so far
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption mode {preemption_mode!r}; choose from {PREEMPTION_MODES}")
+        self.preemption_mode = preemption_mode
+        self.swap_capacity_tokens = swap_capacity_tokens
+        self.swap_is_cheaper = swap_is_cheaper
+        self.swapped_tokens = 0  # host tokens held by swapped-out requests (page-rounded)
+        self.num_swapped_out = 0
 
     # ----------------------------------------------------------------- queues
     def add(self, req: Req) -> None:
@@ -110,6 +136,15 @@ class BatchPlanner:
             self.running.remove(req)
         if req.pages or req.tree_node is not None:
             self.cache.release(req)
+        self._drop_swap(req)
+
+    def _drop_swap(self, req: Req) -> None:
+        if req.swap_tokens:
+            self.swapped_tokens -= self._pages(req.swap_tokens) * self.page_size
+            req.swap_tokens, req.swap_handle = 0, None
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
 
     @property
     def live(self) -> list[Req]:
@@ -165,11 +200,42 @@ class BatchPlanner:
             if item.req is req:
                 del decision.items[i]
                 break
+        if self._should_swap(req):
+            decision.swap_out.append((req, req.pages[: self._pages(req.num_computed)]))
+            req.swap_tokens = req.num_computed
+            self.swapped_tokens += self._pages(req.num_computed) * self.page_size
+            self.num_swapped_out += 1
         self.cache.release(req, keep_in_cache=True)
         self.num_preemptions += 1
         self.reserve_ratio = self.reserve_ratio_init
         decision.preempted.append(req)
         self.add(req)
+
+    def _should_swap(self, req: Req) -> bool:
+        """Swap (instead of recompute) if the mode says so, the request has KV worth
+        keeping and host swap space is left; in ``auto`` mode only if the cost model
+        finds copying out and back cheaper than recomputing."""
+        tokens = req.num_computed
+        if self.preemption_mode == "recompute" or tokens == 0 or req.swap_tokens:
+            return False
+        if self.swapped_tokens + self._pages(tokens) * self.page_size > self.swap_capacity_tokens:
+            return False
+        return self.preemption_mode == "swap" or bool(self.swap_is_cheaper and self.swap_is_cheaper(tokens))
+
+    def _swap_in(self, req: Req, decision: ScheduleDecision) -> bool:
+        """Give a re-admitted swapped request pages for what the radix tree no longer
+        holds of its swapped KV and schedule the copy back. False if out of pages."""
+        if req.swap_tokens <= req.num_computed:  # the tree kept all of it
+            self._drop_swap(req)
+            return True
+        first = len(req.pages)  # pages from the tree: page-aligned prefix
+        if not self.cache.grow(req, req.swap_tokens):
+            return False
+        decision.swap_in.append(SwapIn(req, req.pages[first:], first))
+        req.num_computed = req.swap_tokens
+        self.swapped_tokens -= self._pages(req.swap_tokens) * self.page_size
+        req.swap_tokens = 0  # the runner drops the handle after the copy
+        return True
 
     def _admit_waiting(self, decision: ScheduleDecision, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
@@ -181,8 +247,15 @@ class BatchPlanner:
                 continue
             if verdict == "wait":
                 break
+            if req.swap_tokens and not self._swap_in(req, decision):
+                self.cache.release(req, keep_in_cache=False)
+                break
             n = self._chunk(req, budget)
             if not self.cache.grow(req, req.num_computed + n):
+                if decision.swap_in and decision.swap_in[-1].req is req:  # undo the swap-in
+                    decision.swap_in.pop()
+                    req.swap_tokens = req.num_computed
+                    self.swapped_tokens += self._pages(req.swap_tokens) * self.page_size
                 self.cache.release(req, keep_in_cache=False)
                 break
             self.waiting.pop(0)

@@ -55,12 +55,15 @@ class Scheduler:
             importance_weights=args.importance_weight_values(),
             reserve_ratio_init=args.decode_reserve_ratio,
             reserve_ratio_min=args.decode_reserve_min_ratio,
+            preemption_mode=args.preemption_mode,
+            swap_capacity_tokens=int(args.swap_space_gb * 2**30) // runner.pool.bytes_per_token,
+            swap_is_cheaper=runner.swap_cost_model().swap_is_cheaper,
         )
         self.stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids, runner.context_length)
         self.reqs: dict[str, Req] = {}
         self.outbox: list[m.ReqOutput] = []
         self.control_out: list[Any] = []
-        self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0)
+        self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0, recomputed=0)
         self._last_stats = 0.0
         self.violations: list[str] = []
 
@@ -105,6 +108,8 @@ class Scheduler:
         for req in decision.out_of_memory:
             req.finish("length", error="KV cache pool is full")
             self._finish(req)
+        if decision.swap_out or decision.swap_in:
+            self.runner.apply_swaps(decision)
         if not decision.items:
             return False
         results = self.runner.execute(decision)
@@ -129,7 +134,9 @@ class Scheduler:
         for item, res in zip(decision.items, results, strict=True):
             req = item.req
             was_prefill = req.in_prefill
-            req.num_computed += item.num_tokens
+            end = req.num_computed + item.num_tokens
+            self.counters["recomputed"] += max(0, min(req.max_computed, end) - req.num_computed)
+            req.num_computed, req.max_computed = end, max(req.max_computed, end)
             self._count(req, item.num_tokens, was_prefill)
             if res.prompt_logprobs is not None:
                 req.prompt_logprobs.extend(res.prompt_logprobs)
@@ -205,6 +212,8 @@ class Scheduler:
             decode_tokens=self.counters["decode"],
             num_preemptions=self.planner.num_preemptions,
             num_evicted_pages=self.cache.num_evicted_pages,
+            num_swapped_out=self.planner.num_swapped_out,
+            prefill_tokens_recomputed=self.counters["recomputed"],
         )
 
     def check_invariants(self) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from radixlm.runtime.preemption import PREEMPTION_POLICIES
+from radixlm.runtime.schedule_policy import PREEMPTION_MODES
 
 __all__ = ["ServerArgs"]
 
@@ -77,6 +78,15 @@ class ServerArgs:
         "w3*expected_remaining_tokens (each term normalised to [0, 1] over the running "
         "batch; lowest score is preempted first).",
     )
+    preemption_mode: str = _opt(
+        "auto",
+        "What happens to a preempted request's KV: 'recompute' (kept in the radix tree as far "
+        "as it is page-aligned, the rest recomputed on resume), 'swap' (also copied to host "
+        "memory and copied back on resume), 'auto' (swap when the cost model says copying "
+        "is cheaper than recomputing that many tokens).",
+        PREEMPTION_MODES,
+    )
+    swap_space_gb: float = _opt(4.0, "Host memory for swapped-out KV, GiB (swap falls back to recompute when full).")
     decode_reserve_ratio: float = _opt(
         1.0,
         "Admission keeps this fraction of the running requests' expected remaining output "

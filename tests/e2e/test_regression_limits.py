@@ -324,16 +324,17 @@ def test_c07_prompt_at_context_limit(server_factory, idle_invariants):
         idle_invariants(srv)
 
 
-@pytest.mark.parametrize("policy", ["lru", "longest", "importance"])
-def test_c07_generation_outgrowing_a_tiny_pool(server_factory, idle_invariants, policy):
+@pytest.mark.parametrize(("policy", "mode"), [("lru", "recompute"), ("longest", "swap"), ("importance", "auto")])
+def test_c07_generation_outgrowing_a_tiny_pool(server_factory, idle_invariants, policy, mode):
     """A 128-token pool (8 pages; "e.g. 512" shrunk for CPU time) with four concurrent
     ignore_eos requests: three need 50 tokens (4 pages) each, so they fit alone but not
     together (preemption); one would need 264 tokens, more than the whole pool (finished
     with "length" when the pool is full). Every request completes; none is lost; greedy
-    output equals the unpreempted reference, under each preemption policy. The decode
+    output equals the unpreempted reference, under each preemption policy and mode (auto
+    swaps on the CPU: copying KV is far cheaper than recomputing it there). The decode
     reserve is off so that admission lets them all in and preemption must happen."""
-    flags = dict(max_total_tokens=128, preemption_policy=policy, decode_reserve_ratio=0.0,
-                 decode_reserve_min_ratio=0.0)
+    flags = dict(max_total_tokens=128, preemption_policy=policy, preemption_mode=mode,
+                 decode_reserve_ratio=0.0, decode_reserve_min_ratio=0.0)
     with server_factory(**flags) as srv, srv.client() as c:
         info = c.get("/get_model_info").json()
         assert info["max_total_tokens"] == 128
@@ -372,10 +373,14 @@ def test_c07_generation_outgrowing_a_tiny_pool(server_factory, idle_invariants, 
         deadline = time.monotonic() + 5  # scheduler stats reach /metrics every ~0.5 s
         while _metrics(srv)["radixlm:num_preemptions_total"] == 0 and time.monotonic() < deadline:
             time.sleep(0.2)
-        preemptions = _metrics(srv)["radixlm:num_preemptions_total"]
-        print(f"\nC07 tiny pool: preemptions {preemptions}, completions "
+        metrics = _metrics(srv)
+        preemptions = metrics["radixlm:num_preemptions_total"]
+        swapped = metrics["radixlm:num_swapped_out_total"]
+        print(f"\nC07 tiny pool ({policy}, {mode}): preemptions {preemptions}, swapped {swapped}, "
+              f"recomputed tokens {metrics['radixlm:recomputed_tokens_total']}, completions "
               f"{[o['meta_info']['completion_tokens'] for o in outs]}")
         assert preemptions > 0, "the pool was never short: the test did not exercise preemption"
+        assert swapped == (0 if mode == "recompute" else preemptions)
         idle_invariants(srv)
 
 

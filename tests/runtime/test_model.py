@@ -193,3 +193,26 @@ def test_rope_parameters_reads_old_and_new_config_styles() -> None:
         "rope_type": "linear",
     }
     assert rope_parameters(bare) == {"rope_theta": 10000.0, "rope_type": "default"}
+
+
+def test_kv_pool_pages_round_trip_through_host_memory(tiny_hf_model: Callable) -> None:
+    """Swap: a request's pages read to host memory and written to other pages give the
+    same logits when decoding continues from the new pages."""
+    model = load_model(tiny_hf_model()[0], torch.float32, "cpu", "torch")
+    ids = random.Random(3).choices(range(256), k=11)
+    session = Session(model, page_size=4)
+    session.step({0: (ids[:10], 0)})
+    pool, old = session.pool, session.tables[0]
+    host = pool.read_pages(old)  # [layers, 2, 3, 4, K, D]
+    assert host.shape[:3] == (model.config.num_hidden_layers, 2, 3)
+    torch.testing.assert_close(host[1, 1, 2], pool.v[1][old[2]], rtol=0, atol=0)
+    new = session.alloc.alloc(3)
+    for layer in range(pool.num_layers):  # poison the new pages first
+        pool.k[layer][new] = float("nan")
+        pool.v[layer][new] = float("nan")
+    pool.write_pages(new, host)
+    session.tables[0] = new
+    got = session.step({0: ([ids[10]], 10)})[0]
+    torch.testing.assert_close(got, full_logits(model, ids)[10:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="host KV shape"):
+        pool.write_pages(new[:2], host)

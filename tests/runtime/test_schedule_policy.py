@@ -13,7 +13,7 @@ from radixlm.runtime.messages import SamplingParams
 from radixlm.runtime.preemption import OutputLengthEstimator, choose_victim
 from radixlm.runtime.prefix_cache import PrefixCache
 from radixlm.runtime.request import Req
-from radixlm.runtime.schedule_policy import BatchPlanner
+from radixlm.runtime.schedule_policy import BatchPlanner, ScheduleDecision
 
 PAGE = 4
 _clock = itertools.count()
@@ -347,3 +347,80 @@ def test_request_outgrowing_the_pool_does_not_starve_requests_that_fit(order):
     assert oom == ["d"]
     assert sorted(done) == ["a", "b"]
     assert len(reqs["a"].output_ids) == len(reqs["b"].output_ids) == 7
+
+
+def _drain(p: BatchPlanner, reqs: list[Req], steps: int = 100) -> list[tuple[str, int, int]]:
+    """Run until ``reqs`` finish; returns every scheduled item."""
+    items = []
+    for _ in range(steps):
+        items += run_step(p)
+        for r in list(p.running):
+            if r in reqs and len(r.output_ids) >= r.sampling.max_new_tokens:
+                r.finish("length")
+                finish(p, r)
+        if all(r.finished for r in reqs):
+            break
+    return items
+
+
+@pytest.mark.parametrize("radix", [False, True])
+def test_swap_out_and_back_in_without_recompute(radix):
+    """lru preempts c (idle); in swap mode its 7 computed tokens (2 pages) go to host
+    memory; when it is re-admitted the pages the tree no longer holds are copied back
+    and it resumes at position 7: no prompt token is fed again."""
+    p, reqs = _running_trio("lru")
+    if radix:  # same scenario with the radix tree on: c's full page survives in the tree
+        p = make_planner(num_pages=13, radix=True, preemption_policy="lru", reserve_ratio_init=0.0)
+        reqs = {"a": make_req("a", range(12), max_new=40), "b": make_req("b", range(100, 119), max_new=40),
+                "c": make_req("c", range(200, 207), max_new=4)}
+        for r in reqs.values():
+            p.add(r)
+        run_step(p)
+        reqs["filler"] = Req(rid="filler", prompt_ids=[], sampling=SamplingParams())
+        reqs["filler"].pages = p.cache.allocator.alloc(p.cache.allocator.num_free)
+    p.preemption_mode, p.swap_capacity_tokens = "swap", 64
+    c = reqs["c"]
+    c.last_scheduled_step = p.step - 1
+    c_pages = list(c.pages)
+    decision = p.plan()
+    assert decision.preempted == [c] and decision.swap_out == [(c, c_pages)]
+    assert c.swap_tokens == 7 and p.swapped_tokens == 8 and p.num_swapped_out == 1
+    p.cache.allocator.free(reqs["filler"].pages)
+    reqs["filler"].pages = []
+    items = _drain(p, [reqs["a"], reqs["b"], c])
+    resumed = [it for it in items if it[0] == "c"]
+    assert resumed[0] == ("c", 7, 1)  # the sampled token, nothing recomputed
+    assert len(c.output_ids) == 4 and p.swapped_tokens == 0 and c.swap_tokens == 0
+    p.cache.check_invariants([])
+
+
+def test_swap_in_is_scheduled_with_exact_pages():
+    p = make_planner(num_pages=13, radix=True, preemption_policy="lru", reserve_ratio_init=0.0,
+                     preemption_mode="swap", swap_capacity_tokens=64)
+    a = make_req("a", range(12), max_new=40)
+    c = make_req("c", range(200, 206), max_new=40)  # 6 tokens: 1 full page + 2 tokens
+    p.add(a)
+    p.add(c)
+    run_step(p)
+    run_step(p)
+    p._preempt(c, ScheduleDecision())  # preempt by hand: 7 tokens computed
+    assert c.swap_tokens == 7 and p.cache.cached_pages >= 1  # full page kept in the tree
+    decision = p.plan()  # c is re-admitted: the tree gives page 1, the tail is copied
+    (swap,) = decision.swap_in
+    assert swap.req is c and swap.first_page == 1 and swap.pages == c.pages[1:2]
+    assert c.num_computed == 7 and ("c" in [it.req.rid for it in decision.items])
+    assert [it.start for it in decision.items if it.req is c] == [7]
+
+
+def test_auto_mode_asks_the_cost_model_and_respects_swap_space():
+    asked = []
+    p, reqs = _running_trio("lru")
+    p.preemption_mode, p.swap_capacity_tokens = "auto", 64
+    p.swap_is_cheaper = lambda n: asked.append(n) or False
+    reqs["c"].last_scheduled_step = p.step - 1
+    decision = p.plan()
+    assert asked == [7] and decision.preempted == [reqs["c"]] and decision.swap_out == []
+    p2, reqs2 = _running_trio("lru")
+    p2.preemption_mode, p2.swap_capacity_tokens = "swap", 4  # 2 pages do not fit in 4 tokens
+    reqs2["c"].last_scheduled_step = p2.step - 1
+    assert p2.plan().swap_out == [] and reqs2["c"].swap_tokens == 0
