@@ -323,8 +323,8 @@ def _native_finish(c: SampleChunk | None) -> dict[str, Any] | None:
         return None
     if c.finish_reason == "stop":
         return {"type": "stop", "matched": c.matched_stop}
-    if c.finish_reason == "length":
-        return {"type": "length", "length": c.completion_tokens}
+    if c.finish_reason == "length":  # "message" says why when the KV pool, not a limit, cut it
+        return {"type": "length", "length": c.completion_tokens, **({"message": c.error} if c.error else {})}
     return {"type": "abort", "message": c.error}
 
 
