@@ -4,11 +4,23 @@ Native API (SGLang field names): ``POST /generate``, ``GET /health``,
 ``GET /get_model_info``, ``POST /flush_cache``, ``GET /metrics`` (Prometheus).
 Every error is JSON: ``{"error": {"message", "type", "param", "code"}}``; malformed
 JSON and wrong types are HTTP 400 (FastAPI's 422 is mapped to 400, as OpenAI does).
+
+Guards, in the order a request meets them:
+1. ``ApiKeyMiddleware`` (``--api-key``): every path except ``/health`` (the OpenAPI docs
+   and ``/metrics`` included) needs ``Authorization: Bearer <key>``, compared in constant
+   time; otherwise 401 with ``WWW-Authenticate: Bearer``.
+2. ``BodyLimitMiddleware`` (``--max-request-body-bytes``): 413 for a body over the limit,
+   before it is read: a ``Content-Length`` over it is refused before the app runs; a
+   chunked body is counted as it is read and the read crossing the limit raises
+   ``BodyTooLarge`` (an HTTPException: FastAPI's body parser hands it to the JSON handler).
+3. Body validation (400), then admission (``--max-queued-requests``): 429 with
+   ``Retry-After`` (``TokenizerManager.admit``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,25 +29,125 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixlm.runtime.metrics import Metrics
 from radixlm.runtime.protocol import GenerateRequest
 from radixlm.runtime.tokenizer_manager import (
     GenInput,
     InvalidRequest,
+    QueueFull,
     SampleChunk,
     SchedulerDied,
+    Ticket,
     TokenizerManager,
 )
 
-__all__ = ["create_app", "error_response", "sse", "collect_until_disconnect"]
+__all__ = ["create_app", "error_response", "sse", "collect_until_disconnect", "HeldStream",
+           "ApiKeyMiddleware", "BodyLimitMiddleware", "BodyTooLarge", "PUBLIC_PATHS"]
+
+PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   err_type: str = "invalid_request_error") -> JSONResponse:
+                   err_type: str = "invalid_request_error",
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# --------------------------------------------------------------------------- guards
+class ApiKeyMiddleware:
+    """401 unless ``Authorization: Bearer <api_key>`` (paths in PUBLIC_PATHS are open)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        problem = self._problem(Headers(scope=scope).get("authorization"))
+        if problem is None:
+            return await self.app(scope, receive, send)
+        response = error_response(401, problem, err_type="authentication_error",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _problem(self, header: str | None) -> str | None:
+        """None if ``header`` carries the key, else what is wrong (the 401 message)."""
+        if not header:
+            return "missing API key: send the header 'Authorization: Bearer <key>'"
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return "the Authorization header must use the Bearer scheme: 'Authorization: Bearer <key>'"
+        # Headers arrive latin-1 decoded: encoding back gives the bytes the client sent.
+        if not hmac.compare_digest(token.strip().encode("latin-1"), self.key):
+            return "invalid API key"
+        return None
+
+
+class BodyTooLarge(StarletteHTTPException):
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body is larger than the limit of {max_bytes} bytes")
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over ``max_bytes``, before it is read (see the module doc)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        received, started = 0, False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLarge:  # raised where no exception handler saw it
+            if started:
+                raise
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await error_response(413, BodyTooLarge(self.max_bytes).detail)(scope, receive, send)
+
+
+class HeldStream(StreamingResponse):
+    """An SSE response holding its admission ticket until the response ends, however it
+    ends: finished, failed, or the client gone before the body generator even started
+    (the generator's own ``finally`` would never run then)."""
+
+    def __init__(self, content: AsyncIterator[bytes], ticket: Ticket) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.ticket = ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -82,10 +194,16 @@ async def collect_until_disconnect(request: Request, chunks: AsyncIterator[Sampl
             return None
 
 
-def create_app(tm: TokenizerManager, metrics: Metrics) -> FastAPI:
+def create_app(tm: TokenizerManager, metrics: Metrics, api_key: str | None = None,
+               max_request_body_bytes: int | None = None) -> FastAPI:
+    """The app; ``api_key`` None = no key needed, ``max_request_body_bytes`` None = no limit."""
     app = FastAPI(title="radixlm", version="0.1.0")
     app.state.tm = tm
     app.state.metrics = metrics
+    if max_request_body_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key is not None:  # added last = outermost: a refused client is never read
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     _install_error_handlers(app)
     _install_native_routes(app, tm, metrics)
     from radixlm.runtime.openai_api import install_openai_routes
@@ -103,6 +221,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequest)
     async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
         return error_response(400, exc.message, exc.param)
+
+    @app.exception_handler(QueueFull)
+    async def _busy(_: Request, exc: QueueFull) -> JSONResponse:
+        return error_response(429, str(exc), err_type="rate_limit_error",
+                              headers={"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(SchedulerDied)
     async def _died(_: Request, exc: SchedulerDied) -> JSONResponse:
@@ -200,8 +323,8 @@ def _native_finish(c: SampleChunk | None) -> dict[str, Any] | None:
         return None
     if c.finish_reason == "stop":
         return {"type": "stop", "matched": c.matched_stop}
-    if c.finish_reason == "length":
-        return {"type": "length", "length": c.completion_tokens}
+    if c.finish_reason == "length":  # "message" says why when the KV pool, not a limit, cut it
+        return {"type": "length", "length": c.completion_tokens, **({"message": c.error} if c.error else {})}
     return {"type": "abort", "message": c.error}
 
 
@@ -242,18 +365,20 @@ def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics)
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         gens = _native_gens(tm, body)
+        ticket = tm.admit(gens)
         if body.stream:
-            return StreamingResponse(_native_stream(tm, gens, body, metrics), media_type="text/event-stream")
+            return HeldStream(_native_stream(tm, gens, body, metrics), ticket)
         results = []
-        for gen in gens:
-            res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
-            chunks = await collect_until_disconnect(request, tm.generate(gen))
-            if chunks is None:
-                return Response(status_code=CLIENT_CLOSED)
-            for c in chunks:
-                res[c.index].add(c)
-                metrics.observe_chunk(gen, c)
-            results += [r.body() for r in res]
+        with ticket:
+            for gen in gens:
+                res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
+                chunks = await collect_until_disconnect(request, tm.generate(gen))
+                if chunks is None:
+                    return Response(status_code=CLIENT_CLOSED)
+                for c in chunks:
+                    res[c.index].add(c)
+                    metrics.observe_chunk(gen, c)
+                results += [r.body() for r in res]
         single = len(gens) == 1 and gens[0].n == 1 and not isinstance(body.text, list) and not (
             body.input_ids and isinstance(body.input_ids[0], list))
         return JSONResponse(results[0] if single else results)

@@ -7,7 +7,8 @@ Start order: bind the ZeroMQ sockets, spawn the scheduler, wait until it reports
 (model loaded, KV pool sized) or fails, load the tokenizer, then serve HTTP. A watchdog
 checks the scheduler every 0.5 s: if it dies, in-flight requests get an error, /health
 turns 503 and the server exits with status 1 instead of hanging. SIGINT/SIGTERM stop
-accepting requests, let uvicorn finish the in-flight ones, then stop the scheduler.
+accepting requests, let uvicorn finish the in-flight ones (for up to
+GRACEFUL_SHUTDOWN_S), then stop the scheduler; the exit status is 0.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = ["launch_server", "main", "served_model_name"]
 
 logger = logging.getLogger("radixlm.launch")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GRACEFUL_SHUTDOWN_S = 30  # in-flight requests still running after this are cut
 
 
 def served_model_name(args: ServerArgs) -> str:
@@ -121,16 +123,20 @@ async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, 
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or ready.model_dir)
     name = served_model_name(args)
-    tm = TokenizerManager(tokenizer, ready, send, recv, name, log_requests=args.log_requests)
-    app = create_app(tm, Metrics(name))
+    tm = TokenizerManager(tokenizer, ready, send, recv, name, log_requests=args.log_requests,
+                          max_running_requests=args.max_running_requests,
+                          max_queued_requests=args.max_queued_requests)
+    app = create_app(tm, Metrics(name), api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes)
     loop_kind = "uvloop" if _has_uvloop() else "asyncio"
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            loop=loop_kind, timeout_graceful_shutdown=30)
+                            loop=loop_kind, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _Server(config)
     state = {"exit_code": 0}
     tasks = [asyncio.ensure_future(tm.recv_loop()), asyncio.ensure_future(_watchdog(proc, tm, server, state))]
     logger.info("serving %s on http://%s:%d (KV capacity %d tokens, %.1f MiB, page size %d)",
                 name, args.host, args.port, ready.max_total_tokens, ready.kv_bytes / 2**20, ready.page_size)
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("listening on %s without --api-key: anyone who reaches the port can use it", args.host)
     try:
         await server.serve()
     finally:

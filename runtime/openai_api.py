@@ -22,9 +22,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from radixlm.runtime.http_server import CLIENT_CLOSED, SSE_DONE, collect_until_disconnect, sse
+from radixlm.runtime.http_server import (
+    CLIENT_CLOSED,
+    SSE_DONE,
+    HeldStream,
+    collect_until_disconnect,
+    sse,
+)
 from radixlm.runtime.metrics import Metrics
 from radixlm.runtime.protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.runtime.tokenizer_manager import (
@@ -161,11 +167,12 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gens = _completion_gens(tm, body)
+        ticket = tm.admit(gens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            stream = _stream(tm, metrics, gens, body, rid, created, chat=False)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        done = await _run_all(tm, metrics, gens, request)
+            return HeldStream(_stream(tm, metrics, gens, body, rid, created, chat=False), ticket)
+        with ticket:
+            done = await _run_all(tm, metrics, gens, request)
         if done is None:
             return Response(status_code=CLIENT_CLOSED)
         choices, usage = done
@@ -180,11 +187,12 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         gen = _chat_gen(tm, body)
+        ticket = tm.admit([gen])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            stream = _stream(tm, metrics, [gen], body, rid, created, chat=True)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        done = await _run_all(tm, metrics, [gen], request)
+            return HeldStream(_stream(tm, metrics, [gen], body, rid, created, chat=True), ticket)
+        with ticket:
+            done = await _run_all(tm, metrics, [gen], request)
         if done is None:
             return Response(status_code=CLIENT_CLOSED)
         choices, usage = done

@@ -5,12 +5,20 @@ The CLI (``radixlm launch_server --flag``) is generated from the fields: each fi
 ``page_size`` becomes ``--page-size``; booleans become ``--flag`` switches.
 No I/O happens here: resolving the model path, sizing the pool etc. is done by the
 components that own those resources.
+
+Environment variables (all declared here, prefix ``RADIXLM_``): a field's
+``metadata["env"]`` names a variable whose value is the CLI default of that flag (parsed
+and validated like the flag itself; the flag wins). ``ServerArgs(...)`` built in code does
+not read the environment.
+
+    RADIXLM_API_KEY   default of --api-key (keeps the key out of ``ps`` output)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -20,11 +28,19 @@ from radixlm.runtime.schedule_policy import PREEMPTION_MODES
 __all__ = ["ServerArgs"]
 
 
-def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+def _opt(default: Any, help: str, choices: tuple | None = None, env: str | None = None,
+         secret: bool = False) -> Any:
+    """A field with its help text; ``env`` names the variable that supplies the CLI default,
+    ``secret`` keeps the value out of ``repr`` (and so out of logs)."""
     meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = choices
-    return field(default=default, metadata=meta)
+    if env is not None:
+        meta["env"] = env
+    return field(default=default, metadata=meta, repr=not secret)
+
+
+MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -40,8 +56,28 @@ class ServerArgs:
     served_model_name: str | None = _opt(
         None, "Model name reported by /v1/models and accepted in requests (default: derived)."
     )
-    host: str = _opt("127.0.0.1", "HTTP bind address.")
+    host: str = _opt("127.0.0.1", "HTTP bind address (loopback only unless set, e.g. 0.0.0.0).")
     port: int = _opt(30000, "HTTP port.")
+    api_key: str | None = _opt(
+        None,
+        "Require 'Authorization: Bearer <key>' on every endpoint except /health (HTTP 401 "
+        "otherwise) (default: $RADIXLM_API_KEY if set, else no key).",
+        env="RADIXLM_API_KEY",
+        secret=True,
+    )
+    max_request_body_bytes: int = _opt(
+        32 * MiB,
+        "Largest HTTP request body in bytes; a larger one is refused with HTTP 413 before it "
+        "is read (Content-Length checked first, chunked bodies counted as they arrive).",
+    )
+    max_queued_requests: int | None = _opt(
+        None,
+        "Most requests that may wait for a running slot. Counted in the HTTP process: every "
+        "sample (prompt x n) of a generation request being served holds a slot; those beyond "
+        "--max-running-requests are the queue. A generation request that would make the queue "
+        "longer than this gets HTTP 429 with Retry-After; an idle server accepts any request "
+        "(default: no limit).",
+    )
     device: str = _opt("auto", "'cpu', 'cuda' or 'auto' (cuda if available).", ("auto", "cpu", "cuda"))
     dtype: str = _opt(
         "auto",
@@ -101,7 +137,9 @@ class ServerArgs:
     )
     random_seed: int = _opt(0, "Seed for requests without their own seed.")
     log_level: str = _opt("info", "Logging level.", ("debug", "info", "warning", "error"))
-    log_requests: bool = _opt(False, "Log request texts (off by default: prompts stay out of logs).")
+    log_requests: bool = _opt(
+        False, "Log prompt and output texts at INFO level (off: no request text is logged)."
+    )
     debug_invariants: bool = _opt(
         False, "Check pool/tree invariants after every scheduler step (slow; tests use it)."
     )
@@ -123,10 +161,12 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
             base = _base_type(kind)
+            # argparse converts a string default with ``type``: a bad value is a CLI error.
+            default = os.environ.get(f.metadata["env"], f.default) if "env" in f.metadata else f.default
             parser.add_argument(
                 flag,
                 type=base,
-                default=f.default,
+                default=default,
                 choices=f.metadata.get("choices"),
                 help=help_text if "default" in help_text else f"{help_text} (default: {f.default})",
             )
@@ -160,6 +200,13 @@ class ServerArgs:
             raise ValueError("--max-prefill-tokens must be >= --max-running-requests")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be >= 1")
+        if self.api_key is not None and not _is_visible_ascii(self.api_key):
+            raise ValueError("--api-key (or RADIXLM_API_KEY) must be non-empty printable ASCII "
+                             "without spaces")
         self.importance_weight_values()  # raises on a malformed list
         if not 0.0 <= self.decode_reserve_min_ratio <= self.decode_reserve_ratio:
             raise ValueError("need 0 <= --decode-reserve-min-ratio <= --decode-reserve-ratio")
@@ -176,6 +223,11 @@ class ServerArgs:
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
+
+
+def _is_visible_ascii(text: str) -> bool:
+    """Non-empty and only characters '!'..'~' (what a Bearer token can carry in a header)."""
+    return bool(text) and all("!" <= ch <= "~" for ch in text)
 
 
 def _base_type(kind: Any) -> type:

@@ -46,10 +46,11 @@ class ServerProcess:
     def launch(cls, flags: list[str], log: IO[str] | None = None,
                startup_timeout: float = STARTUP_TIMEOUT_S) -> Iterator[ServerProcess]:
         """Start a server on a free loopback port with ``flags``, wait until /health is
-        200 (RuntimeError with the exit code if it dies or times out), stop it on exit."""
+        200 (RuntimeError with the exit code if it dies or times out), stop it on exit.
+        No ``--host`` is added: the server's default bind address (127.0.0.1) applies
+        unless ``flags`` set one."""
         port = free_port()
-        cmd = [sys.executable, "-m", "radixlm.runtime.launch_server", *flags, "--host", "127.0.0.1",
-               "--port", str(port)]
+        cmd = [sys.executable, "-m", "radixlm.runtime.launch_server", *flags, "--port", str(port)]
         out = log if log is not None else subprocess.DEVNULL
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         server = cls(proc, f"http://127.0.0.1:{port}")

@@ -8,6 +8,13 @@ scheduler requests ``rid-0 .. rid-(n-1)`` whose seeds are ``seed + i``.
 
 Closing the ``generate`` iterator early (client disconnect, error) aborts every sample
 that has not finished, so the scheduler frees its pages.
+
+Admission (``--max-queued-requests``): a generation request holds one slot per sample
+(prompts x n) from ``admit`` until its ticket is released (the response ended, however it
+ended); slots beyond ``--max-running-requests`` are the queue. The count lives here, in
+the one asyncio thread that accepts requests, so it is exact for that definition
+(never stale, no race); the scheduler may hold more requests waiting when the KV pool,
+not the running limit, bounds its batch.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.ipc import MsgSocket
 
-__all__ = ["TokenizerManager", "GenInput", "SampleChunk", "InvalidRequest", "SchedulerDied"]
+__all__ = ["TokenizerManager", "GenInput", "SampleChunk", "InvalidRequest", "SchedulerDied", "QueueFull",
+           "Ticket"]
 
 logger = logging.getLogger("radixlm.tokenizer")
+LOG_TEXT_CHARS = 2000  # --log-requests logs at most this many characters of each text
 
 
 class InvalidRequest(ValueError):
@@ -49,8 +58,40 @@ def _check_unicode(text: str, field_name: str) -> None:
                              field_name) from exc
 
 
+def _clip(text: str) -> str:
+    """``text`` cut to LOG_TEXT_CHARS characters for the log."""
+    if len(text) <= LOG_TEXT_CHARS:
+        return text
+    return f"{text[:LOG_TEXT_CHARS]}...(+{len(text) - LOG_TEXT_CHARS} chars)"
+
+
 class SchedulerDied(RuntimeError):
     """The scheduler process is gone; in-flight requests fail with this."""
+
+
+class QueueFull(RuntimeError):
+    """A request that would make the queue longer than --max-queued-requests (HTTP 429)."""
+
+    retry_after_s = 1  # the Retry-After header of the 429
+
+
+class Ticket:
+    """Queue slots held by one HTTP request (see ``TokenizerManager.admit``). ``release``
+    is idempotent; ``with ticket:`` releases on exit."""
+
+    def __init__(self, owner: TokenizerManager, samples: int) -> None:
+        self.owner, self.samples, self.released = owner, samples, False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.owner.held_samples -= self.samples
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass
@@ -95,17 +136,22 @@ class _Sample:
         self.detok = detok
         self.completion_tokens = 0
         self.done = False
+        self.text = ""  # kept only with --log-requests
 
 
 class TokenizerManager:
     def __init__(self, tokenizer, ready: m.SchedulerReady, send: MsgSocket, recv: MsgSocket,
-                 model_name: str, log_requests: bool = False) -> None:
+                 model_name: str, log_requests: bool = False, max_running_requests: int = 64,
+                 max_queued_requests: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.ready = ready
         self.send = send
         self.recv = recv
         self.model_name = model_name
         self.log_requests = log_requests
+        self.max_running_requests = max_running_requests
+        self.max_queued_requests = max_queued_requests
+        self.held_samples = 0  # slots held by admitted tickets
         self.context_length = ready.context_length
         self.max_total_tokens = ready.max_total_tokens
         self.queues: dict[str, tuple[asyncio.Queue, int]] = {}
@@ -197,6 +243,20 @@ class TokenizerManager:
             gen.logprob_start_len = n - 1
         return gen
 
+    # ----------------------------------------------------------------- admission
+    def admit(self, gens: list[GenInput]) -> Ticket:
+        """Hold one queue slot per sample of ``gens`` until the returned ticket is released.
+        Raises QueueFull if the slots held beyond --max-running-requests would then
+        exceed --max-queued-requests; a request is always admitted when no slot is held."""
+        samples = sum(g.n for g in gens)
+        limit = self.max_queued_requests
+        queued = self.held_samples + samples - self.max_running_requests
+        if limit is not None and self.held_samples and queued > limit:
+            raise QueueFull(f"the server's request queue is full: {queued} requests would wait, the "
+                            f"limit is {limit}; retry after {QueueFull.retry_after_s} s")
+        self.held_samples += samples
+        return Ticket(self, samples)
+
     # ----------------------------------------------------------------- generation
     async def generate(self, gen: GenInput) -> AsyncIterator[SampleChunk]:
         """Yield chunks of every sample until all have finished. Raises SchedulerDied."""
@@ -238,7 +298,9 @@ class TokenizerManager:
                 logprob_start_len=gen.logprob_start_len, top_logprobs_num=gen.top_logprobs_num,
                 stream=gen.stream))
         if self.log_requests:
-            logger.info("request %s: %d prompt tokens, n=%d, %s", gen.rid, len(gen.input_ids), gen.n, gen.sampling)
+            prompt = _clip(self.tokenizer.decode(gen.input_ids))
+            logger.info("request %s: %d prompt tokens, n=%d, %s, prompt %r", gen.rid, len(gen.input_ids), gen.n,
+                        gen.sampling, prompt)
 
     def _end_samples(self, rid: str, samples: list[_Sample]) -> None:
         for s in samples:
@@ -253,6 +315,11 @@ class TokenizerManager:
         if out.finish_reason is not None:
             text += sample.detok.finish()
             sample.done = True
+        if self.log_requests:
+            sample.text += text
+            if sample.done:
+                logger.info("request %s finished (%s, %d tokens): %r", out.rid, out.finish_reason,
+                            sample.completion_tokens, _clip(sample.text))
         return SampleChunk(
             index=sample.index, text=text, token_ids=list(out.new_token_ids),
             logprobs=out.new_logprobs, top_logprobs=out.new_top_logprobs,

