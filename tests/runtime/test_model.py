@@ -195,17 +195,25 @@ def test_rope_parameters_reads_old_and_new_config_styles() -> None:
     assert rope_parameters(bare) == {"rope_theta": 10000.0, "rope_type": "default"}
 
 
-def test_kv_pool_pages_round_trip_through_host_memory(tiny_hf_model: Callable) -> None:
-    """Swap: a request's pages read to host memory and written to other pages give the
-    same logits when decoding continues from the new pages."""
-    model = load_model(tiny_hf_model()[0], torch.float32, "cpu", "torch")
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])],
+)
+def test_kv_pool_pages_round_trip_through_host_memory(tiny_hf_model: Callable, device: str) -> None:
+    """Swap: a request's pages read to host memory (pinned on CUDA, asynchronous copies)
+    and written to other pages give the same logits when decoding continues from them."""
+    model = load_model(tiny_hf_model()[0], torch.float32, device, "torch")
     ids = random.Random(3).choices(range(256), k=11)
-    session = Session(model, page_size=4)
+    session = Session(model, page_size=4, device=device)
     session.step({0: (ids[:10], 0)})
     pool, old = session.pool, session.tables[0]
     host = pool.read_pages(old)  # [layers, 2, 3, 4, K, D]
-    assert host.shape[:3] == (model.config.num_hidden_layers, 2, 3)
-    torch.testing.assert_close(host[1, 1, 2], pool.v[1][old[2]], rtol=0, atol=0)
+    assert host.shape[:3] == (model.config.num_hidden_layers, 2, 3) and host.device.type == "cpu"
+    assert host.is_pinned() == (device == "cuda")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    torch.testing.assert_close(host[1, 1, 2], pool.v[1][old[2]].cpu(), rtol=0, atol=0)
     new = session.alloc.alloc(3)
     for layer in range(pool.num_layers):  # poison the new pages first
         pool.k[layer][new] = float("nan")
@@ -213,6 +221,6 @@ def test_kv_pool_pages_round_trip_through_host_memory(tiny_hf_model: Callable) -
     pool.write_pages(new, host)
     session.tables[0] = new
     got = session.step({0: ([ids[10]], 10)})[0]
-    torch.testing.assert_close(got, full_logits(model, ids)[10:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, full_logits(model, ids, device)[10:], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="host KV shape"):
         pool.write_pages(new[:2], host)
