@@ -55,6 +55,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured generation (runtime/grammar.py): at most one of these.
+    regex: str | None = None
+    json_schema: str | None = None  # a JSON Schema as JSON text
+    ebnf: str | None = None
 
 
 class GenerateReq(msgspec.Struct, tag=True, kw_only=True):

@@ -19,12 +19,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from radixlm.runtime import messages as m
 from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.grammar import apply_grammar_masks
 from radixlm.runtime.memory_pool import KVPool, kv_bytes_per_token
 from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
 from radixlm.runtime.preemption import DEVICE_RATES, SwapCostModel
@@ -193,7 +195,9 @@ class ModelRunner:
         infos = [_sampling_info(req) for req in reqs]
         top_k = max(req.top_logprobs_num for req in reqs)
         sb = SamplingBatch.build(infos, self.device)
-        out = sample(logits[[r for _, r in picks]], sb, self.generator, top_k_logprobs=top_k)
+        matchers = [req.grammar for req in reqs]
+        mask = partial(apply_grammar_masks, matchers=matchers) if any(m is not None for m in matchers) else None
+        out = sample(logits[[r for _, r in picks]], sb, self.generator, top_k_logprobs=top_k, logits_mask=mask)
         next_ids, lps = out.next_ids.tolist(), out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None

@@ -9,10 +9,12 @@ are ignored, as the OpenAI API does; a wrong type or range is an HTTP 400 naming
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from radixlm.runtime.grammar import check_grammar
 from radixlm.runtime.messages import SamplingParams
 
 __all__ = [
@@ -58,6 +60,33 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)  # seed + i (n <= 128) fits too
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured generation (SGLang's names); json_schema as JSON text or an object.
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+
+    @field_validator("json_schema", mode="after")
+    @classmethod
+    def _schema_text(cls, v: str | dict | None) -> str | None:
+        if v is None:
+            return None
+        text = v if isinstance(v, str) else json.dumps(v)
+        check_grammar("json_schema", text)
+        return text
+
+    @field_validator("regex", "ebnf", mode="after")
+    @classmethod
+    def _grammar(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None:
+            check_grammar(info.field_name, v)
+        return v
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> _Sampling:
+        given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of regex, json_schema, ebnf (got {', '.join(given)})")
+        return self
 
     def _common(self) -> dict[str, Any]:
         return dict(
@@ -67,6 +96,7 @@ class _Sampling(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             seed=self.seed, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            regex=self.regex, json_schema=self.json_schema, ebnf=self.ebnf,
         )
 
 
@@ -116,6 +146,16 @@ class _OpenAIBase(_Sampling):
     min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _response_format(self) -> _OpenAIBase:
+        schema = self.response_format.schema_text() if self.response_format is not None else None
+        if schema is not None:
+            if self.regex is not None or self.json_schema is not None or self.ebnf is not None:
+                raise ValueError("give response_format or one of regex, json_schema, ebnf, not both")
+            self.json_schema = schema
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -167,8 +207,41 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI ``response_format.json_schema``: the schema is under ``schema``."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
+    """OpenAI ``response_format``. ``json_object``: any JSON object; ``json_schema``: the
+    given schema, enforced by constrained decoding (runtime/grammar.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format type json_schema needs response_format.json_schema.schema")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The JSON schema to enforce (None for "text"). Raises ValueError (-> 400) if the
+        schema does not compile or uses a keyword that cannot be enforced."""
+        if self.type == "text":
+            return None
+        text = json.dumps(self.json_schema.schema_ if self.json_schema else {"type": "object"})
+        try:
+            check_grammar("json_schema", text)
+        except ValueError as exc:
+            raise ValueError(f"response_format.json_schema.schema: {exc}") from None
+        return text
 
 
 class ChatCompletionRequest(_OpenAIBase):
@@ -177,16 +250,11 @@ class ChatCompletionRequest(_OpenAIBase):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(
-                "response_format json_object/json_schema is not supported yet (constrained "
-                "decoding is not implemented); refusing rather than ignoring it")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self

@@ -62,6 +62,7 @@ class Req:
     swap_tokens: int = 0
     swap_handle: Any = None
     max_computed: int = 0  # high-water mark of num_computed (recompute accounting)
+    grammar: Any = None  # xgrammar GrammarMatcher of a structured-generation request
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:

@@ -198,12 +198,19 @@ def sample(
     batch: SamplingBatch,
     generator_for_unseeded: torch.Generator | None = None,
     top_k_logprobs: int = 0,
+    logits_mask: Callable[[Tensor], None] | None = None,
 ) -> SampleResult:
-    """Sample one token per row. ``logits``: [B, V] (computed in f32; not modified)."""
+    """Sample one token per row. ``logits``: [B, V] (computed in f32; not modified).
+    ``logits_mask`` (structured generation) edits the penalised logits in place before
+    the choice; the returned logprobs stay the raw ones."""
     _check_inputs(logits, batch, top_k_logprobs)
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-    next_ids = _choose(apply_penalties(logits, batch), batch, generator_for_unseeded)
+    processed = apply_penalties(logits, batch)
+    if logits_mask is not None:
+        processed = processed.clone() if processed is logits else processed
+        logits_mask(processed)
+    next_ids = _choose(processed, batch, generator_for_unseeded)
     result = SampleResult(next_ids, raw_logprobs.gather(1, next_ids[:, None]).squeeze(1))
     if top_k_logprobs == 0:
         return result

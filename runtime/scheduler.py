@@ -17,12 +17,14 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
 
 from radixlm.radix import RadixTree
 from radixlm.runtime import messages as m
+from radixlm.runtime.grammar import GrammarCache, grammar_of
 from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.memory_pool import PageAllocator
 from radixlm.runtime.model_runner import ItemResult, ModelRunner
@@ -66,6 +68,8 @@ class Scheduler:
         self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0, recomputed=0)
         self._last_stats = 0.0
         self.violations: list[str] = []
+        self._grammars: GrammarCache | None = None  # built on the first grammar request
+        self.grammar_waiting: list[tuple[Req, Future]] = []  # compiling off the loop
 
     # ----------------------------------------------------------------- messages
     def handle(self, msg: Any) -> None:
@@ -93,7 +97,35 @@ class Scheduler:
             req.finish("length")
             self._finish(req)
             return
+        grammar = grammar_of(req.sampling)
+        if grammar is not None:
+            self.grammar_waiting.append((req, self.grammars.get(grammar)))
+            return
         self.planner.add(req)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
+        return self._grammars
+
+    def _poll_grammars(self) -> None:
+        """Queue the requests whose grammar finished compiling (or fail them)."""
+        still = []
+        for req, future in self.grammar_waiting:
+            if req.finished:
+                continue
+            if not future.done():
+                still.append((req, future))
+                continue
+            try:
+                req.grammar = self.grammars.matcher(future.result())
+            except Exception as exc:  # the tokenizer process checked it: should not happen
+                req.finish("abort", error=f"grammar failed to compile: {exc}")
+                self._finish(req)
+                continue
+            self.planner.add(req)
+        self.grammar_waiting = still
 
     def _on_abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -104,6 +136,8 @@ class Scheduler:
     # ----------------------------------------------------------------- one step
     def step(self) -> bool:
         """Plan and run one forward pass. Returns False if there was nothing to do."""
+        if self.grammar_waiting:
+            self._poll_grammars()
         decision = self.planner.plan()
         for req in decision.out_of_memory:
             req.finish("length", error="KV cache pool is full")
@@ -167,9 +201,14 @@ class Scheduler:
             req.output_logprobs.append(res.logprob)
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(res.top_logprobs or [])
+        if req.grammar is not None and not req.grammar.accept_token(res.next_id):
+            req.finish("abort", error=f"internal error: token {res.next_id} rejected by the request's grammar")
+            return
         verdict = self.stop_checker.check(req)
         if verdict is not None:
             req.finish(*verdict)
+        elif req.grammar is not None and req.grammar.is_terminated():
+            req.finish("stop")  # the grammar is complete and took a stop token
 
     def _finish(self, req: Req) -> None:
         self.planner.remove(req)
@@ -243,14 +282,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.planner.running or self.planner.waiting)
 
+    @property
+    def idle_timeout_ms(self) -> int:
+        """How long the loop may block on messages: 0 with work, a few ms while grammars
+        compile on their thread (no busy wait), else 50."""
+        if self.has_work:
+            return 0
+        return 5 if self.grammar_waiting else 50
+
     # ----------------------------------------------------------------- event loop
     def run_forever(self, recv: MsgSocket, send: MsgSocket, parent_pid: int | None = None) -> None:
         while True:
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("parent process is gone; exiting")
                 return
-            timeout = 0 if self.has_work else 50
-            msg = recv.recv(timeout_ms=timeout)
+            msg = recv.recv(timeout_ms=self.idle_timeout_ms)
             msgs = ([msg] if msg is not None else []) + recv.recv_all()
             for msg in msgs:
                 self.handle(msg)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from radixlm.runtime import messages as m
 from radixlm.runtime.model_runner import ItemResult
+from radixlm.runtime.preemption import SwapCostModel
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 
@@ -18,8 +21,14 @@ class StubRunner:
     eos_token_ids = {EOS}
     context_length = 256
 
+    pool = SimpleNamespace(bytes_per_token=1024)
+
     def __init__(self, next_token: int = 7, fail: bool = False) -> None:
         self.next_token, self.fail, self.calls = next_token, fail, 0
+
+    def swap_cost_model(self) -> SwapCostModel:
+        return SwapCostModel(kv_bytes_per_token=1024, params=10**6, num_layers=2, q_dim=64,
+                             link_bytes_per_s=1e9, flops_per_s=1e10)
 
     def execute(self, decision):
         self.calls += 1
