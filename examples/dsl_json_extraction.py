@@ -5,9 +5,7 @@
 
 For each text, one program asks the model for a JSON object and generates it with
 ``gen(json_schema=SCHEMA)``: the server constrains decoding to the schema, so the output
-parses. The programs run as a batch (``run_batch``); they share the system prompt and
-instructions, so every program after the first reuses those pages (``cached_tokens``).
-Each output is parsed and validated against the schema (``jsonschema``); the script
+parses. The programs run as a batch (``run_batch``, all at once). Each output is parsed and validated against the schema (``jsonschema``); the script
 exits non-zero if any is invalid.
 """
 

@@ -6,8 +6,10 @@
   default) only for reading. A ``gen`` outside any role sends ``s.text()`` to
   ``/v1/completions``. A ``gen`` inside a partly written message, or in another role,
   cannot be expressed in these APIs: ValueError.
-- ``json_schema`` becomes ``response_format: {"type": "json_schema", ...}`` (chat only);
-  ``regex`` and ``ebnf`` have no OpenAI form: NotImplementedError.
+- ``json_schema`` becomes ``response_format: {"type": "json_schema", ...}`` on chat
+  requests; ``regex`` and ``ebnf`` (and ``json_schema`` on completions) have no OpenAI
+  form and are sent as the extra body fields radixlm and SGLang accept (another
+  server may refuse them).
 - ``select`` needs the logprobs of given tokens (the prompt's, i.e. ``echo``), which
   these APIs do not return here: NotImplementedError (radixlm's ``/v1/completions``
   refuses ``echo``; its logprobs are those of sampled tokens only). Use a
@@ -52,9 +54,10 @@ class OpenAI(Backend):
         return self._template
 
     def _body(self, prompt: Prompt, params: SamplingParams, stream: bool) -> tuple[str, dict[str, Any]]:
-        if params.regex is not None or params.ebnf is not None:
-            raise NotImplementedError("the OpenAI API has no regex/ebnf constraint; use a RuntimeEndpoint")
         body: dict[str, Any] = {"model": self.model_name, "stream": stream}
+        for extra in ("regex", "ebnf"):
+            if getattr(params, extra) is not None:
+                body[extra] = getattr(params, extra)
         for native, name in _OPENAI_NAMES.items():
             value = getattr(params, native)
             if native == "max_new_tokens" or value != SamplingParams.__dataclass_fields__[native].default:
@@ -67,7 +70,7 @@ class OpenAI(Backend):
             return "/chat/completions", body
         if prompt.role is None and not prompt.messages:
             if params.json_schema is not None:
-                raise NotImplementedError("json_schema needs a chat gen (after assistant_begin()) here")
+                body["json_schema"] = params.json_schema
             return "/completions", {**body, "prompt": prompt.text}
         raise ValueError("with the OpenAI backend a gen must open an assistant message (right after "
                          "assistant_begin()) or stand outside any role in a program without roles")

@@ -46,7 +46,7 @@ def test_roles_render_the_models_chat_template(endpoint, smollm2_dir):
     assert meta["prompt_tokens"] == len(prompt)  # the server saw exactly the template's prompt
 
 
-def test_fork_of_four_reports_the_shared_prefix_as_cached(endpoint):
+def test_fork_of_four_reports_the_shared_prefix_as_cached(endpoint, dsl_server, idle_invariants):
     @function
     def taglines(s):
         s += system("You write short taglines for small shops.")
@@ -68,6 +68,7 @@ def test_fork_of_four_reports_the_shared_prefix_as_cached(endpoint):
     for meta in metas:  # the fork cached the prefix before the branches ran
         assert meta["prompt_tokens"] == prompt
         assert 16 <= meta["cached_tokens"] < prompt and meta["cached_tokens"] % 16 == 0
+    idle_invariants(dsl_server)
 
 
 def test_second_turn_reuses_the_first_turns_pages(endpoint):

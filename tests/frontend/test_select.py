@@ -103,7 +103,7 @@ def test_the_greedy_continuation_wins(endpoint):
     assert state["v"] == greedy, state.get_meta_info("v")
 
 
-def test_choice_is_the_same_cold_warm_and_forked(endpoint):
+def test_choice_is_the_same_cold_warm_and_forked(endpoint, dsl_server, idle_invariants):
     @function
     def forked(s):
         s += user("Hi!")
@@ -123,3 +123,4 @@ def test_choice_is_the_same_cold_warm_and_forked(endpoint):
 
     state = forked.run(backend=endpoint)
     assert state["v"] == ["Hello", "Hello"]
+    idle_invariants(dsl_server)  # scoring requests leave no page locked
