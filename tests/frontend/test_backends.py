@@ -1,0 +1,85 @@
+"""The OpenAI-compatible backend, the server-starting ``Runtime`` backend, and the
+frontend's torch-free promise at run time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from radixlm.frontend import Runtime, assistant, function, gen, select, user
+
+
+@function
+def qa(s, q):
+    s += user(q)
+    s += assistant(gen("a", max_tokens=12))
+
+
+@function
+def complete(s, text):
+    s += text
+    s += gen("a", max_tokens=6, stop="\n")
+
+
+def test_openai_backend_gen_matches_the_native_endpoint(endpoint, openai_backend):
+    for program, kwargs in ((qa, {"q": "What is the capital of France?"}),
+                            (complete, {"text": "The capital of France is"})):
+        native = program.run(**kwargs, temperature=0, backend=endpoint)
+        openai = program.run(**kwargs, temperature=0, backend=openai_backend)
+        assert openai["a"] == native["a"] and openai["a"]
+        assert openai.messages() == native.messages()
+    meta = openai.get_meta_info("a")
+    assert meta["finish_reason"] in ("stop", "length") and meta["usage"]["prompt_tokens"] > 0
+    streamed = qa.run(q="What is the capital of France?", temperature=0, backend=openai_backend, stream=True)
+    pieces = list(streamed.text_iter("a"))
+    assert len(pieces) > 1 and "".join(pieces) == qa.run(
+        q="What is the capital of France?", temperature=0, backend=endpoint)["a"]
+
+
+def test_openai_backend_refuses_what_the_api_cannot_express(openai_backend):
+    @function
+    def pick(s):
+        s += "The capital of France is"
+        s += select("c", [" Paris", " Rome"])
+
+    with pytest.raises(NotImplementedError, match="echo"):
+        pick.run(backend=openai_backend)
+
+    @function
+    def mid_message(s):
+        s += user("Hi")
+        s += assistant("Sure: " + gen("a", max_tokens=4))
+
+    with pytest.raises(ValueError, match="assistant_begin"):
+        mid_message.run(backend=openai_backend)
+
+
+def test_runtime_starts_serves_and_stops_a_server(tmp_path):
+    log = open(tmp_path / "server.log", "w")
+    with Runtime(log=log, max_total_tokens=2048, startup_timeout=240) as runtime:
+        state = complete.run(text="The capital of France is", temperature=0, backend=runtime)
+        assert "Paris" in state["a"]
+        url = runtime.url
+    assert runtime.proc.returncode == 0
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_frontend_runs_select_without_importing_torch(dsl_server):
+    code = f"""
+import sys
+from radixlm.frontend import RuntimeEndpoint, assistant, function, select, user
+
+@function
+def capital(s):
+    s += user("What is the capital of France?")
+    s += assistant(select("city", ["Paris", "Antidisestablishmentarianism"]))
+
+state = capital.run(backend=RuntimeEndpoint({dsl_server.url!r}))
+assert state["city"] == "Paris", state.get_meta_info("city")
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
