@@ -9,9 +9,9 @@
   request with ``max_new_tokens=0``, ``return_logprob`` and ``logprob_start_len`` = the
   scoring start; the server returns ``input_token_logprobs`` from that position (the
   prefix before it can come from the radix cache);
-- a fork first sends the prefix with ``max_new_tokens=1`` so that its pages are in the
-  radix cache before the branches run (radixlm skips prefill for a plain
-  ``max_new_tokens=0`` request).
+- a fork first sends the prefix with ``max_new_tokens=0`` (the prompt is computed and
+  cached, no token generated, as in SGLang) so its pages are in the radix cache before
+  the branches run.
 
 The tokenizer and chat template come from the model directory the server reports as
 ``tokenizer_path`` in ``/get_model_info`` (read with ``tokenizer.HFTokenizer``, no
@@ -118,7 +118,7 @@ class RuntimeEndpoint(Backend):
     # ------------------------------------------------------------------ cache
     def cache_prefix(self, prompt: Prompt) -> None:
         self.http.post("/generate", {"text": prompt.text,
-                                     "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+                                     "sampling_params": {"max_new_tokens": 0}})
 
     def flush_cache(self) -> None:
         self.http.post("/flush_cache", {})

@@ -93,10 +93,8 @@ class Scheduler:
             return
         req = Req.from_message(msg, arrival=time.monotonic())
         self.reqs[req.rid] = req
-        if req.sampling.max_new_tokens == 0 and not req.wants_prompt_logprobs:
-            req.finish("length")
-            self._finish(req)
-            return
+        # max_new_tokens == 0 still runs the prompt (it is scored and cached, as SGLang's
+        # frontend relies on for fork warm-up / cache_prefix); no token is appended.
         grammar = grammar_of(req.sampling)
         if grammar is not None:
             self.grammar_waiting.append((req, self.grammars.get(grammar)))

@@ -83,12 +83,18 @@ def test_second_request_reports_page_aligned_cached_tokens():
     assert out.cached_tokens == 32  # (40 - 1) // 16 * 16
 
 
-def test_max_new_tokens_zero_finishes_without_running_the_model():
+def test_max_new_tokens_zero_runs_and_caches_the_prompt_without_output():
+    """As in SGLang, a max_new_tokens=0 request computes its prompt (so it lands in the
+    radix cache: fork warm-up, cache_prefix) and finishes with no token."""
     runner = StubRunner()
     s = make(runner)
-    s.handle(gen("a", max_new_tokens=0))
+    s.handle(gen("a", n_prompt=40, max_new_tokens=0))
     (out,) = run(s)
-    assert out.finish_reason == "length" and out.new_token_ids == [] and runner.calls == 0
+    assert out.finish_reason == "length" and out.new_token_ids == [] and runner.calls == 1
+    assert s.cache.cached_pages == 2  # 40 prompt tokens -> 2 full pages of 16
+    s.handle(gen("b", n_prompt=40, max_new_tokens=4))
+    (out,) = run(s)
+    assert out.cached_tokens == 32
 
 
 def test_abort_frees_pages_and_sends_nothing():
