@@ -335,6 +335,18 @@ def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics)
             return error_response(503, f"scheduler died: {tm.dead}", err_type="server_error")
         return Response(status_code=200)
 
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """200 once a one-token generation went through the scheduler (SGLang's deep
+        health check); 503 if the scheduler is dead or the generation failed."""
+        if tm.dead:
+            return error_response(503, f"scheduler died: {tm.dead}", err_type="server_error")
+        gens = _native_gens(tm, GenerateRequest(input_ids=[1], sampling_params={"max_new_tokens": 1}))
+        chunks = [c async for c in tm.generate(gens[0])]
+        if not chunks or chunks[-1].finish_reason not in ("stop", "length"):
+            return error_response(503, "health generation failed", err_type="server_error")
+        return Response(status_code=200)
+
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         r = tm.ready
@@ -369,12 +381,12 @@ def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics)
         if body.stream:
             return HeldStream(_native_stream(tm, gens, body, metrics), ticket)
         results = []
-        with ticket:
-            for gen in gens:
+        with ticket:  # the prompts of a batch run concurrently (batched by the scheduler)
+            gathered = await asyncio.gather(*(collect_until_disconnect(request, tm.generate(g)) for g in gens))
+            if any(chunks is None for chunks in gathered):
+                return Response(status_code=CLIENT_CLOSED)
+            for gen, chunks in zip(gens, gathered, strict=True):
                 res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
-                chunks = await collect_until_disconnect(request, tm.generate(gen))
-                if chunks is None:
-                    return Response(status_code=CLIENT_CLOSED)
                 for c in chunks:
                     res[c.index].add(c)
                     metrics.observe_chunk(gen, c)

@@ -67,3 +67,17 @@ def test_generate_stream_is_cumulative_and_ends_with_done(server, idle_invariant
     assert texts[-1] == full["text"]
     assert events[-1]["output_ids"] == full["output_ids"]
     idle_invariants(server)
+
+
+def test_health_generate_and_batch_prompts_match_singles(server, idle_invariants):
+    """/health_generate runs a token through the scheduler; a /generate batch of prompts
+    (run concurrently) gives each prompt the tokens it gets alone."""
+    with server.client() as c:
+        assert c.get("/health_generate").status_code == 200
+        prompts = ["The capital of France is", "Two plus two equals", "The color of the sky is"]
+        sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        batch = c.post("/generate", json={"text": prompts, "sampling_params": sp}).json()
+        singles = [c.post("/generate", json={"text": p, "sampling_params": sp}).json() for p in prompts]
+    assert [b["output_ids"] for b in batch] == [s["output_ids"] for s in singles]
+    assert all(len(b["output_ids"]) == 8 for b in batch)
+    idle_invariants(server)
