@@ -233,7 +233,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), err_type="invalid_request_error")
+        response = error_response(exc.status_code, str(exc.detail), err_type="invalid_request_error")
+        response.headers.update(exc.headers or {})  # e.g. Allow on a 405 (RFC 9110)
+        return response
 
 
 # --------------------------------------------------------------------------- native API

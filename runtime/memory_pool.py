@@ -26,7 +26,8 @@ class PageAllocator:
 
     Contract: ``alloc(n)`` returns exactly ``n`` distinct ids or ``None`` (nothing taken)
     when fewer than ``n`` are free; ``free(ids)`` gives ids back and raises ValueError on
-    a double free or an id out of range. Not thread-safe (the scheduler owns it).
+    a double free (an id already free or repeated in ``ids``) or an id out of range, and
+    then frees nothing. Not thread-safe (the scheduler owns it).
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -60,11 +61,16 @@ class PageAllocator:
         return ids[::-1]
 
     def free(self, ids: list[int]) -> None:
+        # Check every id before changing anything: a refused call frees nothing (marking
+        # the ids before the bad one free in the bitmap only leaked them for good).
+        seen: set[int] = set()
         for p in ids:
             if not 0 < p < self.num_pages:
                 raise ValueError(f"page id {p} out of range")
-            if self._is_free[p]:
+            if self._is_free[p] or p in seen:
                 raise ValueError(f"double free of page {p}")
+            seen.add(p)
+        for p in ids:
             self._is_free[p] = 1
         self._free.extend(reversed(ids))
 

@@ -4,7 +4,8 @@ Naive model: ``cached`` maps every cached page-aligned token prefix to the page 
 holds its last page, e.g. with S = 2 inserting "a b c d" with pages [p, q] adds
 {(a, b): p, (a, b, c, d): q}. It is prefix-closed, the tree holds exactly its pages, and
 the longest cached prefix of a sequence is the longest of its page-aligned prefixes
-present in the dict. Evicted pages are dropped from it.
+present in the dict. Evicted pages are dropped from it. Eviction order is checked one
+leaf at a time: ``evict(1)`` must take an unlocked leaf with the lowest policy key.
 """
 
 from __future__ import annotations
@@ -122,6 +123,26 @@ class RadixTreeMachine(RuleBasedStateMachine):
         gone = set(freed)
         assert gone <= set(self.cached.values())
         self.cached = {k: page for k, page in self.cached.items() if page not in gone}
+
+    @rule()
+    def evict_one_leaf_in_policy_order(self) -> None:
+        """``evict(1)`` takes exactly one unlocked leaf, one with the lowest policy key."""
+        key_of = EVICTION_POLICIES[self.tree.eviction_policy]
+        leaves = [n for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
+        freed = self.tree.evict(1)
+        if not leaves:
+            assert freed == []
+            return
+        victim = next(n for n in leaves if n.pages == freed)
+        assert key_of(victim) == min(key_of(n) for n in leaves), "evicted out of policy order"
+        self.cached = {k: page for k, page in self.cached.items() if page not in set(freed)}
+
+    def nodes(self) -> list:
+        stack, out = list(self.tree.root.children.values()), []
+        while stack:
+            out.append(stack.pop())
+            stack.extend(out[-1].children.values())
+        return out
 
     @precondition(lambda self: not self.locks)
     @rule()
