@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from radixlm.radix import EVICTION_POLICIES
+
 __all__ = ["ServerArgs"]
 
 
@@ -63,6 +65,12 @@ class ServerArgs:
     )
     max_running_requests: int = _opt(64, "Most requests decoding at the same time.")
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
+    radix_eviction_policy: str = _opt(
+        "lru",
+        "Which unlocked cached prefix (radix-tree leaf) is evicted first when pages run out "
+        "(radix/eviction.py; compared by `radixlm bench cache-sim`, see BENCHMARKS.md).",
+        tuple(EVICTION_POLICIES),
+    )
     attention_backend: str = _opt(
         "auto", "Attention backend ('auto': triton on CUDA, torch otherwise).", ("auto", "torch", "triton")
     )
