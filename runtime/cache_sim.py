@@ -24,20 +24,22 @@ all inserted keys (a cache of W pages never evicts: its hit rate is the trace's 
 
 Offline optimum (``belady``): Belady's MIN (Belady 1966, "A study of replacement
 algorithms for a virtual-storage computer") at page granularity on the same requests:
-a page is identified by its whole token prefix; when over budget it evicts the unlocked
-page whose next *counted* use (the next request whose matched part, ``prompt[:-1]``,
-contains it) is farthest in the future, deeper pages first on ties. A radix tree that
-evicts whole leaves is one of the schedules this page cache may choose, so MIN bounds
-every tree policy from above. It is the exact optimum of this model (demand paging of
-unit-size pages; each request makes its inserted pages resident together; a page's
-value is its next counted use) by the usual exchange argument: an optimal schedule that
-kept page q instead of MIN's p can be changed to evict q while it does not lose a hit,
-because p is used no earlier than q; pages with equal next use are interchangeable and
-a page's descendants are never used before it, so MIN's cache stays prefix-closed and
-the cached part of a prompt is a prefix. Tests check it against exhaustive search on
-tiny traces. It is *not* the optimum of the real server, where requests overlap, or
-of general variable-size caching (NP-hard), which whole-leaf eviction is not asked to
-solve here.
+a page is identified by its whole token prefix; when over budget it evicts the page
+(not one of the current request's) whose next *counted* use -- the next request whose
+matched part, ``prompt[:-1]``, contains it -- is farthest in the future, deeper pages
+first on ties.
+
+* Exact optimum of this model (instant requests, unit-size pages, each request makes
+  its inserted pages resident together, a hit counts the cached leading pages of
+  ``prompt[:-1]``), by the usual exchange argument: a schedule that evicts q where MIN
+  evicts p can evict p instead without losing a hit, since p is not needed before q.
+  A page's descendants are never used before it, so with the depth tie-break MIN's
+  cache stays prefix-closed, like the tree's. ``tests/runtime/test_cache_sim.py``
+  checks it against exhaustive search over every eviction choice on small traces.
+* Upper bound for every radix-tree policy: evicting whole leaves is one of the page
+  schedules MIN competes with. The best whole-leaf schedule (variable-size caching,
+  NP-hard in general) may stay below MIN.
+* Not the optimum of the real server, whose requests overlap and hold pages locked.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
+import importlib.util
 import itertools
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -434,6 +437,8 @@ def _sweep_trace(trace: str, args: argparse.Namespace, bar: tqdm) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # fail before the long part
+        raise SystemExit("radixlm bench cache-sim needs matplotlib: pip install 'radixlm[bench]'")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

@@ -29,14 +29,15 @@ def hits(trace: list[TraceRequest], page_size: int, capacity: int, policy: str) 
     return replay(trace, page_size, capacity, policy).cached_tokens
 
 
-# Page size 1, 4 pages. Cached after each request (last access time), the eviction that
-# separates the policies is at r3:
+# Page size 1, 4 pages; request rK arrives at t = K. The eviction that separates the
+# policies is at r3:
 #   r0 [1 2 3]+[9]  -> caches 1 2 3                 (match [1 2]: 0)
 #   r1 [1 2 4]+[9]  -> 1 2 | 3, 4                   (match [1 2]: 2 hits, [1 2] hit once)
 #   r2 [5 6]+[9]    -> evicts leaves 3 (t0), 4 (t1)  (match [5]: 0)
 #   r3 [7 8]+[9]    -> needs 2 of {[1 2] t1 1 hit, [5 6] t2 0 hits}: lru and longest (tie
-#                      on size) evict [1 2]; lfu, importance (+10 s for a hit > 1 s
-#                      younger) and Belady ([1 2] is used at r4, [5 6] at r5) evict [5 6]
+#                      on size) evict [1 2]; lfu, importance (both 2 tokens long; one
+#                      hit is worth +10 s, more than the 1 s age difference) and Belady
+#                      ([1 2] is used again at r4, [5 6] at r5) evict [5 6]
 #   r4 [1 2 3]+[9]  -> 2 hits if [1 2] survived; then [7 8] or the rest goes
 #   r5 [5 6 7]+[9]  -> [5 6] is gone under every policy: 0
 TRACE_A = make_trace(
