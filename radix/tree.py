@@ -24,8 +24,9 @@ after "c d", which is a page boundary:
                         ^ matched              ^ not matched
 
 The new node always goes *above* the old one, so a caller's handle to ``node`` still ends
-at the same token position; ``upper`` copies ``lock_ref``, ``last_access`` and
-``hit_count``, so lock counts stay consistent across splits.
+at the same token position (its ``prefix_len`` is unchanged); ``upper`` copies
+``lock_ref``, ``last_access`` and ``hit_count``, so lock counts stay consistent across
+splits.
 
 Locking: ``inc_lock(node)``/``dec_lock(node)`` count references on every node of the path
 node -> root. A node with ``lock_ref > 0`` is never evicted; since a parent's count is at
@@ -64,6 +65,7 @@ class TreeNode:
     lock_ref: int = 0
     last_access: float = 0.0
     hit_count: int = 0
+    prefix_len: int = 0  # tokens from the root to the end of ``key`` (the sequence's length)
     heap_seq: int = -1  # sequence number of this node's newest heap entry
 
     @property
@@ -303,6 +305,7 @@ class RadixTree:
             lock_ref=node.lock_ref,
             last_access=node.last_access,
             hit_count=node.hit_count,
+            prefix_len=parent.prefix_len + at,
         )
         parent.children[upper.key[:size]] = upper
         node.key, node.pages, node.parent = node.key[at:], node.pages[at // size :], upper
@@ -311,7 +314,8 @@ class RadixTree:
         return upper
 
     def _add_leaf(self, parent: TreeNode, key: Key, pages: list[int], now: float) -> TreeNode:
-        leaf = TreeNode(key=key, pages=pages, parent=parent, last_access=now)
+        end = parent.prefix_len + len(key)
+        leaf = TreeNode(key=key, pages=pages, parent=parent, last_access=now, prefix_len=end)
         parent.children[key[: self.page_size]] = leaf
         self._num_nodes += 1
         self._cached += len(pages)

@@ -45,7 +45,9 @@ class Scheduler:
         self.args = args
         self.runner = runner
         self.allocator = PageAllocator(runner.num_pages)
-        tree = None if args.disable_radix_cache else RadixTree(args.page_size)
+        tree = None
+        if not args.disable_radix_cache:
+            tree = RadixTree(args.page_size, eviction_policy=args.radix_eviction_policy)
         self.cache = PrefixCache(self.allocator, tree, args.page_size)
         self.planner = BatchPlanner(
             self.cache,

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from radixlm.radix import EVICTION_POLICIES
 from radixlm.runtime.preemption import PREEMPTION_POLICIES
 from radixlm.runtime.schedule_policy import PREEMPTION_MODES
 
@@ -132,6 +133,12 @@ class ServerArgs:
         0.25, "The decode reserve ratio decays to this value over 500 steps without preemption."
     )
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
+    radix_eviction_policy: str = _opt(
+        "lru",
+        "Which unlocked cached prefix (radix-tree leaf) is evicted first when pages run out "
+        "(radix/eviction.py; compared by `radixlm bench cache-sim`, see BENCHMARKS.md).",
+        tuple(EVICTION_POLICIES),
+    )
     attention_backend: str = _opt(
         "auto", "Attention backend ('auto': triton on CUDA, torch otherwise).", ("auto", "torch", "triton")
     )

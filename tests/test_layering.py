@@ -75,7 +75,9 @@ def test_dependency_direction(folder, forbidden):
         assert not name.startswith(forbidden), f"{folder}/ imports {name}"
 
 
-@pytest.mark.parametrize("module", ["radixlm.radix", "radixlm.frontend"])
+@pytest.mark.parametrize(
+    "module", ["radixlm.radix", "radixlm.frontend", "radixlm.runtime.cache_sim"]
+)
 def test_torch_free_imports(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -84,8 +86,12 @@ def test_torch_free_imports(module):
 def test_cli_choices_match_registries():
     import dataclasses
 
+    from radixlm.radix import EVICTION_POLICIES
     from radixlm.runtime.attention import attention_backend_choices
     from radixlm.runtime.server_args import ServerArgs
 
-    field = {f.name: f for f in dataclasses.fields(ServerArgs)}["attention_backend"]
-    assert tuple(field.metadata["choices"]) == tuple(attention_backend_choices())
+    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    assert tuple(fields["attention_backend"].metadata["choices"]) == tuple(
+        attention_backend_choices()
+    )
+    assert tuple(fields["radix_eviction_policy"].metadata["choices"]) == tuple(EVICTION_POLICIES)

@@ -1,11 +1,24 @@
-"""Eviction policy registry, pluggability, and the cost of evict()."""
+"""Eviction policy registry, each policy's order (exact page ids), the heap against a
+brute-force model, and the cost of evict()."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixlm.radix import EVICTION_POLICIES, RadixTree
-from radixlm.radix.eviction import get_policy, lfu, lru
+from radixlm.radix.eviction import (
+    IMPORTANCE_MEMORY_S,
+    IMPORTANCE_REUSE_S,
+    get_policy,
+    importance,
+    lfu,
+    longest,
+    lru,
+)
 
 
 class CountingLRU:
@@ -25,8 +38,9 @@ def ticking_clock():
 
 
 def test_registry_names_and_lookup() -> None:
-    assert {"lru", "lfu"} <= set(EVICTION_POLICIES)
+    assert list(EVICTION_POLICIES) == ["lru", "lfu", "longest", "importance"]
     assert get_policy("lru") is lru and get_policy("lfu") is lfu
+    assert get_policy("longest") is longest and get_policy("importance") is importance
     with pytest.raises(ValueError, match="choose from"):
         get_policy("fifo")
 
@@ -37,6 +51,9 @@ def test_policy_keys_read_node_stats() -> None:
     node.last_access, node.hit_count = 5.0, 3
     assert lru(node) == 5.0
     assert lfu(node) == (3, 5.0)
+    assert longest(node) == (-1, 5.0)
+    assert (node.prefix_len, IMPORTANCE_REUSE_S, IMPORTANCE_MEMORY_S) == (1, 10.0, 10.0)
+    assert importance(node) == 5.0 + 10.0 * 2  # log2(1 + 3 hits) = 2, log2(1 token) = 0
 
 
 def test_registered_policy_is_used_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,3 +97,96 @@ def test_touched_leaf_is_rekeyed_not_evicted_early() -> None:
     tree.match_prefix([1])  # its heap entry is now stale (too low)
     assert tree.evict(1) == [20]
     assert tree.evict(1) == [10]
+
+
+def test_longest_evicts_the_largest_leaf_first() -> None:
+    tree = RadixTree(2, eviction_policy="longest", clock=ticking_clock())
+    tree.insert([1, 1, 2, 2, 3, 3], [10, 11, 12])  # t0
+    tree.insert([1, 1, 2, 2, 4, 4, 4, 4], [10, 11, 40, 41])  # t1: splits off [3 3]
+    tree.insert([7, 7], [70])  # t2
+    # leaves: [3 3] 1 page (t0), [4 4 4 4] 2 pages, [7 7] 1 page (t2)
+    assert tree.evict(1) == [40, 41]
+    assert tree.evict(1) == [12]  # size tie with [7 7]: least recently used
+    assert tree.evict(1) == [10, 11]  # [1 1 2 2] is a leaf now and has 2 pages
+    assert tree.evict(1) == [70]
+    tree.check_invariants()
+
+
+def test_importance_weighs_recency_reuse_and_memory() -> None:
+    clock = [0.0]
+    tree = RadixTree(1, eviction_policy="importance", clock=lambda: clock[0])
+    old = tree.insert([1], [10]).node  # t=0: key 0
+    reused = tree.insert([2], [20]).node  # t=0, matched 3 times: key 0 + 10 * log2(4)
+    for _ in range(3):
+        tree.match_prefix([2])
+    clock[0] = 15.0
+    recent = tree.insert([3], [30]).node  # key 15
+    clock[0] = 25.0
+    long = tree.insert([4] * 8, list(range(40, 48))).node  # key 25 - 10 * log2(8 tokens)
+    assert [importance(n) for n in (long, old, recent, reused)] == [-5.0, 0.0, 15.0, 20.0]
+    # The newest leaf goes first (it holds 8 tokens), the most reused one last even
+    # though it was used 15 s before the recent one.
+    assert [tree.evict(1) for _ in range(4)] == [list(range(40, 48)), [10], [30], [20]]
+
+
+# ------------------------------------------------------- heap vs brute force
+tokens = st.lists(st.integers(0, 2), max_size=8)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), tokens),
+        st.tuples(st.just("match"), tokens),
+        st.tuples(st.just("rematch"), st.integers(0, 7)),  # match an earlier inserted key
+        st.tuples(st.just("lock"), tokens),
+        st.tuples(st.just("unlock"), st.integers(0, 7)),
+        st.tuples(st.just("evict"), st.integers(1, 3)),
+    ),
+    max_size=40,
+)
+
+
+def evict_one_checked(tree: RadixTree, key) -> bool:
+    """evict(1) must take a leaf whose key is the lowest of all candidate leaves, found
+    by sorting every candidate (the model). Returns False when nothing was evictable."""
+    candidates = [n for n in tree._iter_nodes() if tree._is_candidate(n)]
+    freed = tree.evict(1)
+    if not candidates:
+        assert freed == []
+        return False
+    by_pages = {tuple(n.pages): n for n in candidates}
+    assert tuple(freed) in by_pages, "evicted something that was not a candidate leaf"
+    assert key(by_pages[tuple(freed)]) == min(key(n) for n in candidates)
+    return True
+
+
+@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+@settings(max_examples=150, deadline=None)
+@given(page_size=st.sampled_from([1, 2]), ops=operations)
+def test_evict_takes_the_lowest_key_leaf(policy: str, page_size: int, ops) -> None:
+    now = [0.0]
+    tree = RadixTree(page_size, eviction_policy=policy, clock=lambda: now[0])
+    key, page_ids, locks, inserted = EVICTION_POLICIES[policy], itertools.count(), [], []
+    for op, arg in ops:
+        now[0] += 1.0  # every operation happens at its own time
+        if op == "insert":
+            aligned = arg[: len(arg) // page_size * page_size]
+            tree.insert(aligned, [next(page_ids) for _ in range(len(aligned) // page_size)])
+            inserted.append(aligned)
+        elif op == "match":
+            tree.match_prefix(arg)
+        elif op == "rematch" and inserted:
+            tree.match_prefix(inserted[arg % len(inserted)])
+        elif op == "lock":
+            locks.append(tree.match_prefix(arg).node)
+            tree.inc_lock(locks[-1])
+        elif op == "unlock" and locks:
+            tree.dec_lock(locks.pop(arg % len(locks)))
+        elif op == "evict":
+            for _ in range(arg):
+                if not evict_one_checked(tree, key):
+                    break
+    for node in locks:
+        tree.dec_lock(node)
+    while evict_one_checked(tree, key):
+        pass
+    assert tree.cached_pages == 0
+    tree.check_invariants()
