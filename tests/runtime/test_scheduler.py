@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from radixlm.runtime import messages as m
 from radixlm.runtime.model_runner import ItemResult
 from radixlm.runtime.preemption import SwapCostModel
@@ -136,3 +138,19 @@ def test_step_failure_aborts_requests_with_error_and_keeps_serving():
     s.handle(gen("b"))
     (out,) = run(s)
     assert out.finish_reason == "length" and len(out.new_token_ids) == 4
+
+
+def test_radix_eviction_flag_parses_and_rejects_unknown_policies(capsys) -> None:
+    assert ServerArgs.parse([]).radix_eviction_policy == "lru"
+    assert ServerArgs.parse(["--radix-eviction-policy", "importance"]).radix_eviction_policy == "importance"
+    with pytest.raises(SystemExit) as exit_info:
+        ServerArgs.parse(["--radix-eviction-policy", "fifo"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'fifo'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "longest", "importance"])
+def test_scheduler_builds_its_tree_with_the_eviction_policy(policy: str) -> None:
+    scheduler = make(StubRunner(), radix_eviction_policy=policy)
+    assert scheduler.cache.tree is not None and scheduler.cache.tree.eviction_policy == policy
+    assert make(StubRunner(), radix_eviction_policy=policy, disable_radix_cache=True).cache.tree is None
