@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_e2e import DEVICE, SHAPES, build_checkpoint, load_real_model  # noqa: E402
+from gpu_e2e import DEVICE, SHAPES, build_checkpoint, load_real_model, server_flags  # noqa: E402
 
 from radixlm.runtime.server_process import ServerProcess  # noqa: E402
 
@@ -107,15 +107,7 @@ def main() -> None:
             args.shape, args.tokenizer_dir, Path("/tmp/models/bfloat16")
         )
     del model
-    flags = [
-        "--model-path",
-        str(model_dir),
-        "--device",
-        DEVICE,
-        "--log-level",
-        "warning",
-        *args.server_args.split(),
-    ]
+    flags = server_flags(model_dir, args.server_args)
     rows = []
     with ServerProcess.launch(flags, startup_timeout=600) as srv:
         for batch in args.batch_sizes:

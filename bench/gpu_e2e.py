@@ -87,6 +87,11 @@ SHAPES = {
 }
 
 
+def server_flags(model_dir: Path, extra: str = "") -> list[str]:
+    """launch_server flags for a benchmark server on ``model_dir`` (plus ``extra``)."""
+    return ["--model-path", str(model_dir), "--device", DEVICE, "--log-level", "warning", *extra.split()]
+
+
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast the parameters only, as ``from_pretrained(dtype=...)`` leaves a model.
 
@@ -374,17 +379,7 @@ def main() -> None:
         )
         vocab = SHAPES[args.shape]["vocab_size"]
     print(f"checkpoint ready in {time.time() - t0:.0f} s", flush=True)
-    flags = [
-        "--model-path",
-        str(model_dir),
-        "--device",
-        DEVICE,
-        "--log-level",
-        "warning",
-        "--dtype",
-        args.dtype,
-        *args.server_args.split(),
-    ]
+    flags = server_flags(model_dir, f"--dtype {args.dtype} {args.server_args}")
     result = {
         "shape": args.shape,
         "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",

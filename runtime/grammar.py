@@ -55,14 +55,10 @@ _STRING_SHAPE = ("pattern", "format")
 
 
 def grammar_of(sampling: Any) -> tuple[str, str] | None:
-    """(kind, text) of the grammar a SamplingParams-like object carries, or None.
-
-    Raises ValueError if more than one of regex / json_schema / ebnf is set.
-    """
-    given = [(kind, getattr(sampling, kind)) for kind in GRAMMAR_KINDS if getattr(sampling, kind) is not None]
-    if len(given) > 1:
-        raise ValueError(f"give at most one of regex, json_schema, ebnf (got {', '.join(k for k, _ in given)})")
-    return given[0] if given else None
+    """(kind, text) of the grammar a SamplingParams carries, or None. At most one is set:
+    the request models (runtime/protocol.py) refuse more than one."""
+    return next(((kind, getattr(sampling, kind)) for kind in GRAMMAR_KINDS if getattr(sampling, kind) is not None),
+                None)
 
 
 def _unenforced_keywords(node: Any, path: str = "#") -> Iterable[str]:

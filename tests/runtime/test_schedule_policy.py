@@ -191,11 +191,12 @@ def test_reserve_ratio_decays_and_jumps_back_on_preemption():
     assert p.num_preemptions >= 1 and p.reserve_ratio == 1.0
 
 
-def _running_trio(policy: str) -> tuple[BatchPlanner, dict[str, Req]]:
+def _running_trio(policy: str, radix: bool = False) -> tuple[BatchPlanner, dict[str, Req]]:
     """a (oldest, 12 + 1 tokens, 3 pages), b (19 + 1, 5 pages), c (newest, 7 + 1, 2 pages),
-    all decoding; the rest of the pool taken, radix off so nothing is evictable. a's next
-    token needs a 4th page, so the plan must preempt someone."""
-    p = make_planner(num_pages=13, radix=False, preemption_policy=policy, reserve_ratio_init=0.0)
+    all decoding; the rest of the pool taken (with the radix tree on, every cached page is
+    locked by its request), so nothing is evictable. a's next token needs a 4th page, so
+    the plan must preempt someone."""
+    p = make_planner(num_pages=13, radix=radix, preemption_policy=policy, reserve_ratio_init=0.0)
     reqs = {"a": make_req("a", range(12), max_new=40), "b": make_req("b", range(100, 119), max_new=40),
             "c": make_req("c", range(200, 207), max_new=4)}
     for r in reqs.values():
@@ -368,16 +369,7 @@ def test_swap_out_and_back_in_without_recompute(radix):
     """lru preempts c (idle); in swap mode its 7 computed tokens (2 pages) go to host
     memory; when it is re-admitted the pages the tree no longer holds are copied back
     and it resumes at position 7: no prompt token is fed again."""
-    p, reqs = _running_trio("lru")
-    if radix:  # same scenario with the radix tree on: c's full page survives in the tree
-        p = make_planner(num_pages=13, radix=True, preemption_policy="lru", reserve_ratio_init=0.0)
-        reqs = {"a": make_req("a", range(12), max_new=40), "b": make_req("b", range(100, 119), max_new=40),
-                "c": make_req("c", range(200, 207), max_new=4)}
-        for r in reqs.values():
-            p.add(r)
-        run_step(p)
-        reqs["filler"] = Req(rid="filler", prompt_ids=[], sampling=SamplingParams())
-        reqs["filler"].pages = p.cache.allocator.alloc(p.cache.allocator.num_free)
+    p, reqs = _running_trio("lru", radix=radix)  # with radix: c's full page survives in the tree
     p.preemption_mode, p.swap_capacity_tokens = "swap", 64
     c = reqs["c"]
     c.last_scheduled_step = p.step - 1
