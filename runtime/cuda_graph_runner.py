@@ -8,10 +8,11 @@ GPU. A replayed graph launches the whole forward in one call (SGLang / vLLM do t
 Dimension letters: Bg the bucket's batch size, B the real batch (B <= Bg), Pmax the page
 table width (context length / page size), E hidden size.
 
-    static inputs (max bucket rows, the first Bg used by a replay):
-      input_ids [Bmax] int64   positions [Bmax] int64   out_slots [Bmax] int64
-      seq_lens  [Bmax] int32   page_table [Bmax, Pmax] int32   src_rows [Bmax] int64
+    static inputs, one host-to-device copy per step (the first Bg columns used):
+      inputs [5, Bmax] int64 = input_ids, positions, out_slots, src_rows, table_rows
+      req_pages [R, Pmax] int32: one page-table row per request, only changed ids copied
     graph(Bg):  ids = where(input_ids >= 0, input_ids, prev_ids[src_rows])
+                seq_lens = positions + 1;  page_table = req_pages[table_rows]
                 model.forward(batch of ids over the first Bg rows) -> hidden [Bg, E]
 
 ``prev_ids`` is the model runner's buffer of the previous step's sampled ids: an input of
@@ -20,8 +21,8 @@ table width (context length / page size), E hidden size.
 A step of B requests replays the smallest bucket Bg >= B. Rows B..Bg-1 are padding: they
 feed token 0 at position 0, write their K/V into slot 0 of the dummy page 0 (never handed
 out) and attend over that one slot, so they cost compute but touch no real page. Page
-table entries past a row's ``seq_len`` are never read, so a row's stale tail from an earlier
-step is harmless and only ``[:B, :w]`` (w = the widest table of the step) is copied.
+table entries past a row's ``seq_len`` are never read, so a row's stale tail (after a
+request's pages were replaced by fewer) is harmless.
 
 The decode kernel's split count is fixed at capture from the bound ``Pmax * page_size``
 (``decode_num_splits``), so one graph serves every sequence length; short sequences leave
@@ -35,13 +36,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Hashable
 
 import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.memory_pool import KVPool
 
-__all__ = ["CudaGraphRunner", "graph_batch_sizes"]
+__all__ = ["CudaGraphRunner", "PageTableRows", "graph_batch_sizes"]
 
 logger = logging.getLogger("radixlm.cuda_graph")
 
@@ -82,21 +84,25 @@ class CudaGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs, self.max_pages = self.batch_sizes[-1], max_pages
         n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.src_rows = torch.zeros(n, dtype=torch.int64, device=device)
-        self.resolved_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        # Host inputs of a step, one [5, Bmax] int64 copy: ids (-1: in flight), positions,
+        # KV slots, rows of prev_ids for the -1 ids, rows of the device page table.
+        self.inputs = torch.zeros((5, n), dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.out_slots, self.src_rows, self.table_rows = self.inputs.unbind(0)
         self.prev_ids = prev_ids
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
+        # Derived on the device inside the graph.
+        self.resolved_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.page_table = torch.zeros((n, max_pages), dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(n, dtype=torch.int64, device=device)
         self.cu_extend = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # Pinned staging rows (ids, positions, slots, src rows; seq_lens), one H2D copy each,
-        # in two sets used in turn: a replay's copies may still be pending when the host
-        # stages the next one (overlap), never when it stages the one after (see replay).
-        self._staging = [(torch.zeros((4, n), dtype=torch.int64).pin_memory(),
-                          torch.ones(n, dtype=torch.int32).pin_memory()) for _ in range(2)]
+        # Page tables live on the device, one row per request (row 0: all dummy page 0),
+        # updated incrementally: a step copies only the page ids that changed.
+        self.num_table_rows = 2 * n + 1
+        self.req_pages = torch.zeros((self.num_table_rows, max_pages), dtype=torch.int32, device=device)
+        self.tables = PageTableRows(self.num_table_rows)
+        # Pinned staging in two sets used in turn: a replay's copy may still be pending when
+        # the host stages the next one (overlap), never when it stages the one after.
+        self._staging = [torch.zeros((5, n), dtype=torch.int64).pin_memory() for _ in range(2)]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -140,6 +146,8 @@ class CudaGraphRunner:
     def _forward(self, bs: int, batch: ForwardBatch) -> torch.Tensor:
         ids = self.input_ids[:bs]
         self.resolved_ids[:bs] = torch.where(ids >= 0, ids, self.prev_ids[self.src_rows[:bs]])
+        self.seq_lens[:bs] = self.positions[:bs] + 1
+        self.page_table[:bs] = self.req_pages[self.table_rows[:bs]]
         return self.model.forward(batch, self.pool)
 
     def bucket(self, batch_size: int) -> int | None:
@@ -150,11 +158,13 @@ class CudaGraphRunner:
         return None
 
     def replay(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]],
-               src_rows: list[int] | None = None) -> torch.Tensor:
+               src_rows: list[int] | None = None, keys: list[Hashable] | None = None) -> torch.Tensor:
         """One decode step of B = len(input_ids) requests: request b feeds token
         ``input_ids[b]`` at ``positions[b]`` (its K/V goes to position ``positions[b]`` of
         the pages ``page_tables[b]``; it attends over positions 0..positions[b]). An input
-        id of -1 is read from ``prev_ids[src_rows[b]]`` on the device.
+        id of -1 is read from ``prev_ids[src_rows[b]]`` on the device. ``keys[b]``
+        identifies request b across steps (its device page-table row is kept and only
+        changed page ids are copied); default: a fresh row per step.
 
         The host inputs go through pinned buffers in two sets used in turn, so the caller
         must have waited on the stream for replay k (e.g. read its results) before replay
@@ -169,31 +179,81 @@ class CudaGraphRunner:
         if bs is None or b == 0:
             raise ValueError(f"batch of {b} requests: captured sizes are 1..{self.max_bs}")
         size = self.page_size
-        width = max(len(t) for t in page_tables)
-        if width > self.max_pages:
-            raise ValueError(f"page table of {width} pages exceeds the captured width {self.max_pages}")
         slots = []
         for pos, table in zip(positions, page_tables, strict=True):
             if pos // size >= len(table):
                 raise ValueError(f"page table of {len(table)} pages does not reach position {pos}")
+            if len(table) > self.max_pages:
+                raise ValueError(f"page table of {len(table)} pages exceeds the captured width {self.max_pages}")
             slots.append(table[pos // size] * size + pos % size)
-        host, lens = self._staging[self._turn]
+        rows = self._sync_tables(keys if keys is not None else [object() for _ in range(b)], page_tables)
+        staging = self._staging[self._turn]
         self._turn ^= 1
-        host[:, b:bs] = 0  # padding rows: token 0, position 0, dummy slot 0, one key
-        lens[b:bs] = 1
-        host[0, :b] = torch.tensor(input_ids, dtype=torch.int64)
-        host[1, :b] = torch.tensor(positions, dtype=torch.int64)
-        host[2, :b] = torch.tensor(slots, dtype=torch.int64)
-        host[3, :b] = torch.tensor(src_rows or [0] * b, dtype=torch.int64)
-        lens[:b] = host[1, :b] + 1
-        table = torch.zeros((b, width), dtype=torch.int32)
-        for row, pages in enumerate(page_tables):
-            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.input_ids[:bs].copy_(host[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(host[1, :bs], non_blocking=True)
-        self.out_slots[:bs].copy_(host[2, :bs], non_blocking=True)
-        self.src_rows[:bs].copy_(host[3, :bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(lens[:bs], non_blocking=True)
-        self.page_table[:b, :width].copy_(table, non_blocking=True)
+        host = staging.numpy()
+        host[:, b:bs] = 0  # padding rows: token 0, position 0, dummy slot 0, dummy table row 0
+        host[0, :b] = input_ids
+        host[1, :b] = positions
+        host[2, :b] = slots
+        host[3, :b] = src_rows if src_rows is not None else 0
+        host[4, :b] = rows
+        self.inputs.copy_(staging, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
+
+    def _sync_tables(self, keys: list[Hashable], page_tables: list[list[int]]) -> list[int]:
+        """Device page-table row of each request, after copying the changed page ids."""
+        rows, updates = self.tables.sync(keys, page_tables)
+        if updates:
+            u = torch.tensor(updates, dtype=torch.int64).to(self.req_pages.device, non_blocking=True)
+            self.req_pages[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
+        return rows
+
+
+class PageTableRows:
+    """Host side of the incremental device page table: which row each request has and
+    what the device holds in it, so a step copies only the page ids that changed.
+
+    Rows 1..num_rows-1 are handed out (row 0 is the all-dummy padding row). When none is
+    free, the rows of requests not in the current step are reclaimed; a request that comes
+    back gets a new row written from scratch.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        if num_rows < 2:
+            raise ValueError(f"need at least 2 rows, got {num_rows}")
+        self._row_of: dict[Hashable, int] = {}
+        self._mirror: list[list[int]] = [[] for _ in range(num_rows)]
+        self._free = list(range(num_rows - 1, 0, -1))
+
+    def sync(self, keys: list[Hashable], page_tables: list[list[int]]) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """(row per request, (row, column, page id) writes that bring the device rows up to
+        date). Usually no write, or one per request that grew a page; a request whose
+        pages changed other than by appending (prefix pages swapped for the radix tree's
+        copies, pages replaced after a preemption) has its whole row rewritten.
+
+        Raises ValueError if the step has more requests than rows.
+        """
+        if len(keys) >= len(self._mirror):
+            raise ValueError(f"{len(keys)} requests in one step, only {len(self._mirror) - 1} rows")
+        rows, updates = [], []
+        for key, pages in zip(keys, page_tables, strict=True):
+            row = self._row_of.get(key)
+            if row is None:
+                row = self._take(set(keys))
+                self._row_of[key] = row
+            mirror = self._mirror[row]
+            if pages != mirror:
+                appended = len(pages) >= len(mirror) and pages[: len(mirror)] == mirror
+                start = len(mirror) if appended else 0
+                updates.extend((row, col, pages[col]) for col in range(start, len(pages)))
+                self._mirror[row] = list(pages)
+            rows.append(row)
+        return rows, updates
+
+    def _take(self, in_use: set) -> int:
+        if not self._free:
+            for key in [k for k in self._row_of if k not in in_use]:
+                row = self._row_of.pop(key)
+                self._mirror[row] = []
+                self._free.append(row)
+        return self._free.pop()

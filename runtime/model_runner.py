@@ -213,7 +213,7 @@ class ModelRunner:
         for row, prev_row in inflight:
             src[row] = prev_row
         return runner.replay([ids[0] for ids in inputs], [it.start for it in items],
-                             [it.req.pages for it in items], src)
+                             [it.req.pages for it in items], src, [it.req for it in items])
 
     def prepare(self, items: list[ScheduleItem], inputs: list[list[int]] | None = None
                 ) -> tuple[ForwardBatch, list[tuple[list[int], int | None]]]:

@@ -149,28 +149,34 @@ class SamplingBatch:
         seen_rows, seen_ids, seen_max = _flatten_ids(params, _rep_wanted, _seen_ids, device)
         out_rows, out_ids, out_max = _flatten_ids(params, _freq_pres_wanted, _output_ids, device)
 
-        def f32(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def i64(values: list[int]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        # Two host-to-device copies for the per-row parameters (a step's host time is
+        # mostly per-call overhead): floats [6, B] and ints [2, B], unbound into rows.
+        floats = torch.tensor([
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+            [p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+            [p.min_p for p in params],
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        ], dtype=torch.float32).to(device, non_blocking=True)
+        ints = torch.tensor([[p.top_k if p.top_k > 0 else _TOP_K_OFF for p in params], greedy],
+                            dtype=torch.int64).to(device, non_blocking=True)
+        temperatures, top_ps, min_ps, rep, freq, pres = floats.unbind(0)
+        unseeded = [i for i in sampled if params[i].seed is None]
         return cls(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperatures=f32(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-            ),
-            top_ks=i64([p.top_k if p.top_k > 0 else _TOP_K_OFF for p in params]),
-            top_ps=f32([p.top_p if p.top_p < 1.0 else float("inf") for p in params]),
-            min_ps=f32([p.min_p for p in params]),
-            repetition_penalties=f32([p.repetition_penalty for p in params]),
-            frequency_penalties=f32([p.frequency_penalty for p in params]),
-            presence_penalties=f32([p.presence_penalty for p in params]),
+            greedy=ints[1].bool(),
+            temperatures=temperatures,
+            top_ks=ints[0],
+            top_ps=top_ps,
+            min_ps=min_ps,
+            repetition_penalties=rep,
+            frequency_penalties=freq,
+            presence_penalties=pres,
             seen_rows=seen_rows,
             seen_ids=seen_ids,
             output_rows=out_rows,
             output_ids=out_ids,
-            unseeded_rows=i64([i for i in sampled if params[i].seed is None]),
+            unseeded_rows=torch.tensor(unseeded, dtype=torch.int64).to(device, non_blocking=True),
             seeded_rows=tuple(seeded),
             seed_keys=tuple(_mix_seed(params[i].seed, params[i].step) for i in seeded),
             max_token_id=max(seen_max, out_max),
@@ -361,6 +367,9 @@ def _flatten_ids(
 ) -> tuple[Tensor, Tensor, int]:
     """(rows, ids, max id or -1): every id of ``ids_of(p)`` for wanted rows, [N] int64 each."""
     per_row = [(row, ids_of(p)) for row, p in enumerate(params) if wanted(p)]
+    if not per_row:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty, -1
     flat = chain.from_iterable(row_ids for _, row_ids in per_row)
     ids = torch.tensor(list(flat), dtype=torch.int64)  # [N]
     rows = torch.tensor([row for row, _ in per_row], dtype=torch.int64)
