@@ -138,9 +138,8 @@ def main() -> None:
         list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)) for b in range(max_bs)
     ]
     start = time.perf_counter()
-    runner = CudaGraphRunner(
-        model, pool, max_bs, max_pages=shape["max_position_embeddings"] // page
-    )
+    prev_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+    runner = CudaGraphRunner(model, pool, max_bs, shape["max_position_embeddings"] // page, prev_ids)
     capture_s = time.perf_counter() - start
     result = dict(
         shape=args.shape,
