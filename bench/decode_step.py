@@ -93,9 +93,30 @@ def measure_batch(
     def graph() -> None:
         model.compute_logits(runner.replay(next_ids, positions, tables)).argmax(-1).tolist()
 
-    return dict(
-        batch=bs, eager_ms=time_steps(eager, steps) * 1e3, graph_ms=time_steps(graph, steps) * 1e3
-    )
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):  # device time of the graph alone, back to back
+        runner.replay(next_ids, positions, tables)
+    end.record()
+    end.synchronize()
+    return dict(batch=bs, eager_ms=time_steps(eager, steps) * 1e3, graph_ms=time_steps(graph, steps) * 1e3,
+                graph_device_ms=start.elapsed_time(end) / steps, kernels=kernel_breakdown(eager))
+
+
+def kernel_breakdown(step, top: int = 12) -> dict:
+    """Device time per kernel name over one eager step (torch.profiler), the top ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        if evt.device_time_total > 0:
+            totals[evt.key[:80]] = [evt.device_time_total / 1e3, evt.count]
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {"total_ms": sum(v[0] for v in totals.values()), "launches": sum(v[1] for v in totals.values()),
+            "top": ranked[:top]}
 
 
 def main() -> None:
