@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -291,13 +292,16 @@ class PendingStep:
     ready: Any = None  # CUDA event recorded after the copies to the host
     was_prefill: list[bool] = field(default_factory=list)  # per item, set by the scheduler
     ends_prefill: list[bool] = field(default_factory=list)  # per item: this step completes the prompt
+    wait_seconds: float = 0.0  # host time collect() spent waiting for the device
 
     def collect(self) -> list[ItemResult]:
         out = self.sampled
         if out is None:
             return self.results
         if self.ready is not None:
+            start = time.perf_counter()
             self.ready.synchronize()
+            self.wait_seconds = time.perf_counter() - start
         next_ids, lps = out.next_ids.tolist(), out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None

@@ -70,7 +70,9 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.outbox: list[m.ReqOutput] = []
         self.control_out: list[Any] = []
-        self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0, recomputed=0)
+        self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0, recomputed=0, steps=0, decode_steps=0,
+                             busy_s=0.0)
+        self._waited = 0.0  # seconds the current step waited for the device
         self._last_stats = 0.0
         self.violations: list[str] = []
         self._grammars: GrammarCache | None = None  # built on the first grammar request
@@ -149,6 +151,13 @@ class Scheduler:
         previous token's value on the host (a grammar mask, repetition / frequency /
         presence penalties) make the scheduler read the step in flight first.
         """
+        start, self._waited = time.perf_counter(), 0.0
+        try:
+            return self._step()
+        finally:
+            self.counters["busy_s"] += time.perf_counter() - start - self._waited
+
+    def _step(self) -> bool:
         if self.grammar_waiting:
             self._poll_grammars()
         collected = False
@@ -165,6 +174,8 @@ class Scheduler:
         if decision.items:
             launched = self.runner.launch(decision)
             self._advance(launched)
+            self.counters["steps"] += 1
+            self.counters["decode_steps"] += all(it.num_tokens == 1 and it.samples for it in decision.items)
         if self.inflight is not None:
             self._collect()
             collected = True
@@ -210,7 +221,9 @@ class Scheduler:
     def _collect(self) -> None:
         """Wait for the step in flight and process its results."""
         step, self.inflight = self.inflight, None
-        self._process_results(step, step.collect())
+        results = step.collect()
+        self._waited += step.wait_seconds
+        self._process_results(step, results)
 
     def _process_results(self, step: PendingStep, results: list[ItemResult]) -> None:
         for k, (item, res) in enumerate(zip(step.items, results, strict=True)):
@@ -303,6 +316,9 @@ class Scheduler:
             num_evicted_pages=self.cache.num_evicted_pages,
             num_swapped_out=self.planner.num_swapped_out,
             prefill_tokens_recomputed=self.counters["recomputed"],
+            forward_steps=self.counters["steps"],
+            decode_steps=self.counters["decode_steps"],
+            scheduler_busy_seconds=self.counters["busy_s"],
         )
 
     def check_invariants(self) -> None:
