@@ -235,6 +235,7 @@ class CandidateHeap:
         self._observe = getattr(policy, "observe_new_candidate", None)
         self._observe_evicted = getattr(policy, "observe_evicted", None)
         self._new_since_refresh = 0
+        self._refresh_after = REFRESH_MIN_NEW  # new leaves; at least the entries re-keyed
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -243,7 +244,7 @@ class CandidateHeap:
         if self._observe is not None and node.heap_seq < 0:
             self._observe(node)
             self._new_since_refresh += 1
-            if self._new_since_refresh >= max(REFRESH_MIN_NEW, len(self._entries)):
+            if self._new_since_refresh >= self._refresh_after:
                 self._refresh()
         node.heap_seq = next(self._seq)
         heapq.heappush(self._entries, (self._policy(node), node.heap_seq, node))
@@ -255,6 +256,7 @@ class CandidateHeap:
         live = [(node, seq) for _key, seq, node in self._entries if seq == node.heap_seq]
         self._entries = [(self._policy(node), seq, node) for node, seq in live]
         heapq.heapify(self._entries)
+        self._refresh_after = max(REFRESH_MIN_NEW, len(self._entries))
 
     def pop(self, is_valid: Callable[[N], bool]) -> N | None:
         """Remove and return the valid node with the lowest current key, or None."""
