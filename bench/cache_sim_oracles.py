@@ -107,9 +107,7 @@ def liveness_oracle(trace: list[TraceRequest], page_size: int, error: float = 0.
     holders = _holders(trace, page_size)
 
     def key(node) -> tuple[int, float]:
-        alive = any(
-            (last_arrival[s] > node.last_access) != (s in flipped) for s in holders(node)
-        )
+        alive = any((last_arrival[s] > node.last_access) != (s in flipped) for s in holders(node))
         return (int(alive), node.last_access)
 
     return key

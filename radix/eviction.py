@@ -5,6 +5,9 @@ A policy is a plain function ``node -> sort key``: the tree evicts the candidate
 comparable (numbers or tuples of numbers). The registry ``EVICTION_POLICIES`` feeds the
 CLI ``choices`` (``--radix-eviction-policy``); adding a policy is one function plus one
 registry line. ``CandidateHeap`` is the tree's lazily invalidated min-heap over those keys.
+A *learned* policy is registered as a class instead: ``get_policy`` builds one instance
+per tree, and the heap feeds it events (``observe_new_candidate``, ``observe_evicted``)
+and calls its ``refresh`` now and then (see ``CandidateHeap``).
 
 Policies (``radixlm bench cache-sim`` compares them with Belady's offline optimum; the
 figures are in BENCHMARKS.md):
@@ -13,6 +16,8 @@ figures are in BENCHMARKS.md):
 * ``lfu``: fewest prefix matches first, then least recently used.
 * ``longest``: largest leaf (most pages, i.e. frees the most) first, then LRU.
 * ``importance``: a weighted score in seconds, lowest first; see ``importance``.
+* ``continuation-odds``: recency plus the log-odds, learned online, that a cached
+  sequence of its length is used again; see ``ContinuationOdds``.
 
 Contract a policy must keep (the tree's heap relies on it):
 
@@ -28,6 +33,8 @@ Contract a policy must keep (the tree's heap relies on it):
   key went stale is noticed when it reaches the top, re-keyed and pushed back. A key
   that *shrinks* behind the tree's back is only noticed when it reaches the top, so
   that node would be evicted later than its true key says.
+* A learned policy's keys may change only inside ``refresh`` (its model snapshot),
+  after which the heap re-keys every entry; between refreshes both rules above hold.
 """
 
 from __future__ import annotations
@@ -226,6 +233,13 @@ class CandidateHeap:
     compared. Pushing a node again supersedes its older entries (``node.heap_seq``).
     ``pop`` skips superseded entries and entries the owner no longer considers valid,
     and re-pushes an entry whose key grew since it was pushed (policies are monotone).
+
+    A learned policy (one with ``observe_new_candidate``) hears of every node pushed for
+    the first time (``heap_seq < 0``: a new leaf, or a split-off parent whose children
+    all went) and of every node ``pop`` returns (it is evicted). After as many such new
+    nodes as the heap had entries at the last refresh (at least ``REFRESH_MIN_NEW``),
+    the heap calls ``policy.refresh()`` and re-keys its live entries: O(n) every >= n
+    pushes, so O(1) amortised per push and eviction stays O(log n) amortised.
     """
 
     def __init__(self, policy: EvictionPolicy) -> None:

@@ -11,13 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.radix import EVICTION_POLICIES, RadixTree
-from radixlm.radix import eviction
+from radixlm.radix import EVICTION_POLICIES, RadixTree, eviction
 from radixlm.radix.eviction import (
     CONTINUATION_AGE_BINS,
     IMPORTANCE_MEMORY_S,
-    ContinuationOdds,
     IMPORTANCE_REUSE_S,
+    ContinuationOdds,
     get_policy,
     importance,
     lfu,
@@ -152,8 +151,9 @@ def test_continuation_odds_orders_by_recency_plus_learned_log_odds() -> None:
     clock[0] = 150.0
     long_new = tree.insert([4] * 768, [40, 41, 42]).node  # t=150, class 1: key 215.9
     keys = [policy(n) for n in (short_old, short_new, long_old, long_new)]
-    assert keys == pytest.approx([-60 * math.log(3), 100 - 60 * math.log(3), 60 * math.log(3),
-                                  150 + 60 * math.log(3)])
+    assert keys == pytest.approx(
+        [-60 * math.log(3), 100 - 60 * math.log(3), 60 * math.log(3), 150 + 60 * math.log(3)]
+    )
     # The long sequence cached at t=0 outlives the short one cached 100 s later.
     assert [tree.evict(1) for _ in range(4)] == [[10], [30], [20, 21], [40, 41, 42]]
     tree.check_invariants()
