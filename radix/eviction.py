@@ -146,6 +146,9 @@ class ContinuationOdds:
     come back). Leaves still cached are not counted yet. Ages are binned by tau / 2; EM
     over the bins gives p, shrunk to the pooled estimate with
     ``CONTINUATION_PRIOR_WEIGHT`` pseudo-trials. "Now" is the newest ``last_access`` seen.
+    Approximate on the server, which caches a request twice (its prompt after prefill,
+    then prompt + output): a conversation that ends is censored at both nodes' classes.
+    tau is a constant, this simulator trace's mean think time; it is not learned.
 
     Keys use a snapshot of the estimates, updated by ``refresh`` when ``CandidateHeap``
     re-keys all its entries (after as many new leaves as it has entries: O(1)
