@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from radixlm.radix.eviction import ContinuationOdds
 from radixlm.runtime import messages as m
 from radixlm.runtime.model_runner import ItemResult, PendingStep
 from radixlm.runtime.preemption import SwapCostModel
@@ -166,10 +167,12 @@ def test_radix_eviction_flag_parses_and_rejects_unknown_policies(capsys) -> None
     assert "invalid choice: 'fifo'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "longest", "importance"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "longest", "importance", "continuation-odds"])
 def test_scheduler_builds_its_tree_with_the_eviction_policy(policy: str) -> None:
     scheduler = make(StubRunner(), radix_eviction_policy=policy)
     assert scheduler.cache.tree is not None and scheduler.cache.tree.eviction_policy == policy
+    if policy == "continuation-odds":  # a learned policy: the server's tree has its own model
+        assert isinstance(scheduler.cache.tree._policy, ContinuationOdds)
     assert (
         make(StubRunner(), radix_eviction_policy=policy, disable_radix_cache=True).cache.tree
         is None
