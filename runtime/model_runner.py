@@ -95,6 +95,7 @@ class ModelRunner:
         # A step samples at most one row per running request.
         self._prev_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         self._prev_rows: dict[Req, int] = {}
+        self._last_launch: PendingStep | None = None
         self.graph_runner = self._make_graph_runner()
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
@@ -183,7 +184,24 @@ class ModelRunner:
         step = PendingStep(items, [ItemResult() for _ in items])
         self._prompt_logprobs(items, rows, logits, step.results)
         self._sample(items, rows, logits, step)
+        self._last_launch = step
         return step
+
+    def _grammar_for_step(self, req: Req) -> Any:
+        """The request's grammar matcher, advanced past its token in flight if it has one:
+        that token is read from the previous launch (waiting for it while this step's
+        forward pass runs) and accepted now; the scheduler later consumes the verdict from
+        ``req.grammar_ahead``. None (no mask) if the grammar is absent, refused the token or
+        is complete: then the request finishes with that token and this row is discarded."""
+        matcher = req.grammar
+        if matcher is None or req.num_inflight <= len(req.grammar_ahead):
+            return matcher
+        prev = self._last_launch
+        results = prev.collect()
+        token = results[prev.picks[self._prev_rows[req]]].next_id
+        accepted = bool(matcher.accept_token(token))
+        req.grammar_ahead.append((token, accepted))
+        return matcher if accepted and not matcher.is_terminated() else None
 
     def _inputs(self, items: list[ScheduleItem]) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """Each item's input token ids, and (flat index, row of the previous launch's
@@ -267,7 +285,7 @@ class ModelRunner:
         infos = [_sampling_info(req) for req in reqs]
         top_k = max(req.top_logprobs_num for req in reqs)
         sb = SamplingBatch.build(infos, self.device)
-        matchers = [req.grammar for req in reqs]
+        matchers = [self._grammar_for_step(req) for req in reqs]
         mask = partial(apply_grammar_masks, matchers=matchers) if any(m is not None for m in matchers) else None
         out = sample(logits[[r for _, r in picks]], sb, self.generator, top_k_logprobs=top_k, logits_mask=mask)
         self._prev_ids[: len(picks)].copy_(out.next_ids)  # inputs of the next launch (overlap)
@@ -295,6 +313,7 @@ class PendingStep:
     wait_seconds: float = 0.0  # host time collect() spent waiting for the device
 
     def collect(self) -> list[ItemResult]:
+        """Wait for the sampled ids and fill ``results`` (idempotent)."""
         out = self.sampled
         if out is None:
             return self.results

@@ -69,6 +69,9 @@ class Req:
     max_computed: int = 0  # high-water mark of num_computed (recompute accounting)
     grammar: Any = None  # xgrammar GrammarMatcher of a structured-generation request
     num_inflight: int = 0  # sampled by launched steps, not read by the host yet
+    # (token, accepted) fed to ``grammar`` by the model runner before the scheduler read the
+    # token (overlap: the next step's mask needs it); the scheduler consumes them in order.
+    grammar_ahead: list[tuple[int, bool]] = field(default_factory=list)
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:

@@ -147,9 +147,11 @@ class Scheduler:
         before the host reads the tokens the step in flight samples, so planning, page
         bookkeeping and output processing run while the device computes. A request whose
         token is still in flight decodes it from the device (``Req.num_inflight``); one that
-        turns out finished costs one wasted token. Requests whose next step depends on the
-        previous token's value on the host (a grammar mask, repetition / frequency /
-        presence penalties) make the scheduler read the step in flight first.
+        turns out finished costs one wasted token. A grammar request's mask needs that
+        token: the model runner reads it from the previous launch while the new forward
+        pass runs (``ModelRunner._grammar_for_step``). Repetition / frequency / presence
+        penalties need every token on the host first: then the step in flight is read
+        before planning.
         """
         start, self._waited = time.perf_counter(), 0.0
         try:
@@ -188,7 +190,7 @@ class Scheduler:
 
     def _needs_tokens(self) -> bool:
         """True if a running request's next step needs its previous token on the host."""
-        return any(req.grammar is not None or _has_penalties(req) for req in self.planner.running)
+        return any(_has_penalties(req) for req in self.planner.running)
 
     def _advance(self, step: PendingStep) -> None:
         """Bookkeeping of a launched step, before its results are known: computed tokens
@@ -261,9 +263,12 @@ class Scheduler:
             req.output_logprobs.append(res.logprob)
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(res.top_logprobs or [])
-        if req.grammar is not None and not req.grammar.accept_token(res.next_id):
-            req.finish("abort", error=f"internal error: token {res.next_id} rejected by the request's grammar")
-            return
+        if req.grammar is not None:
+            token, accepted = (req.grammar_ahead.pop(0) if req.grammar_ahead
+                               else (res.next_id, req.grammar.accept_token(res.next_id)))
+            if token != res.next_id or not accepted:
+                req.finish("abort", error=f"internal error: token {res.next_id} rejected by the request's grammar")
+                return
         verdict = self.stop_checker.check(req)
         if verdict is not None:
             req.finish(*verdict)
