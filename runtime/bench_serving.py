@@ -669,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
             from radixlm.runtime.bench_hf import run_hf
 
             outputs, duration = run_hf(args, workload)
-            max_in_flight, server = len(workload), {
+            batch = args.hf_batch_size if args.backend == "hf-generate" else len(workload)
+            max_in_flight, server = min(batch, len(workload)), {
                 "prefix_cache_hit_rate": None, "kv_usage_mean": None, "kv_usage_max": None}
             extra = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype}
         else:
