@@ -29,8 +29,13 @@ and ``--tokenizer-dir`` the carried SmolLM2 tokenizer files (as for gpu_e2e.py).
     . bench/gpu_env.sh && python3 bench/gpu_serving.py --tokenizer-dir .gpu_tok \\
         --dataset-path bench/sharegpt_subset.jsonl --out $OUT
 
-Time: set N, M, ``--gsp-num-groups`` and the sweep to fit the budget; ``summary.json``
-has each step's seconds (``--skip-gsp`` / ``--skip-sweep`` / ``--skip-hf`` drop steps).
+Time: set N, M, ``--gsp-num-groups`` and the sweep to fit the budget; a step that would
+start after ``--budget-s`` (default 510) is skipped, ``summary.json`` is rewritten after
+every step with each step's seconds (``--skip-gsp`` / ``--skip-sweep`` / ``--skip-hf``
+drop steps). Rough guess at radixlm's current 8B speed (~1000 output tok/s at batch 32,
+BENCHMARKS.md) and transformers' ~530: the defaults take ~8-9 min; ``--num-prompts 500
+--hf-num-prompts 100 --gsp-num-groups 32 --sweep-rates 8 16 32 --sweep-num-prompts 64``
+about half of that (not measured).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sweep-rates", type=float, nargs="+", default=[4.0, 8.0, 16.0, 32.0])
     ap.add_argument("--sweep-num-prompts", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=510.0,
+                    help="a step that would start after this many seconds is skipped")
     ap.add_argument("--skip-gsp", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
@@ -90,9 +97,13 @@ class Runner:
         self.plots = args.out / "plots"
         self.seconds: dict[str, float] = {}
         self.errors: dict[str, str] = {}
+        self.start = time.perf_counter()
 
     def bench(self, tag: str, *flags: str) -> None:
         t0 = time.perf_counter()
+        if t0 - self.start > self.args.budget_s:
+            self.errors[tag] = f"skipped: {t0 - self.start:.0f} s > --budget-s"
+            return
         argv = ["--tag", tag, "--seed", str(self.args.seed), "--output-file", str(self.jsonl),
                 "--plot-dir", str(self.plots), "--disable-tqdm", *flags]
         print(f"\n### {tag}: radixlm bench serving {' '.join(argv)}", flush=True)
@@ -102,6 +113,12 @@ class Runner:
             traceback.print_exc()
             self.errors[tag] = f"{type(exc).__name__}: {exc}"
         self.seconds[tag] = time.perf_counter() - t0
+        self.write_summary()  # after every step: a run killed later keeps what it measured
+
+    def write_summary(self) -> dict:
+        summary = summarize(self)
+        (self.args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
 
     def sharegpt(self, n: int) -> list[str]:
         """ShareGPT flags: the same seed picks the first ``n`` of one shuffled order."""
@@ -168,9 +185,7 @@ def main() -> None:
         run.bench("hf-generate-batch", "--backend", "hf-generate-batch", "--model-path",
                   str(model_dir), "--device", DEVICE, "--dtype", "bfloat16",
                   *run.sharegpt(args.hf_num_prompts), *args.hf_args.split())
-    summary = summarize(run)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(run.write_summary(), indent=1))
 
 
 if __name__ == "__main__":
