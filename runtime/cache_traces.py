@@ -37,6 +37,7 @@ __all__ = [
     "SharedPrefixConfig",
     "ScanMixConfig",
     "sharegpt_multiturn",
+    "sample_conversations",
     "shared_prefix",
     "scan_mix",
 ]
@@ -97,23 +98,27 @@ def _chat_pairs(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(user, reply) for (_, user), (_, reply) in zip(merged[::2], merged[1::2], strict=False)]
 
 
-def _conversations(split_records: bool) -> list[list[dict[str, Any]]]:
+def _conversations(split_records: bool, path: str | None = None) -> list[list[dict[str, Any]]]:
     """Messages of each ShareGPT conversation. The dataset's preprocessing split long
     chats into records ``<id>_<k>`` (k = index of the record's first message) of about
     2K LLaMA tokens. Unless ``split_records``, a conversation's records are joined back
-    in file order, so it ends where the user stopped, not at a split point."""
+    in file order, so it ends where the user stopped, not at a split point. ``path``: a
+    ShareGPT file (``sharegpt.iter_records``), None for the packaged one."""
     from radixlm.runtime.sharegpt import iter_records
 
     chats: dict[str, list[dict[str, Any]]] = {}
-    for index, record in enumerate(iter_records()):
+    for index, record in enumerate(iter_records(path)):
         chat_id = str(index) if split_records else str(record.get("id")).rsplit("_", 1)[0]
         chats.setdefault(chat_id, []).extend(record.get("conversations") or [])
     return list(chats.values())
 
 
-def _sample_conversations(cfg: MultiTurnConfig, seed: int) -> list[list[tuple[str, str]]]:
-    """``cfg.num_conversations`` conversations with a user/assistant pair (seeded shuffle)."""
-    chats = [pairs for pairs in map(_chat_pairs, _conversations(cfg.split_records)) if pairs]
+def sample_conversations(
+    cfg: MultiTurnConfig, seed: int, path: str | None = None
+) -> list[list[tuple[str, str]]]:
+    """``cfg.num_conversations`` conversations as (user, assistant) text pairs, each with
+    at least one pair (seeded shuffle); ``path`` as in ``_conversations``."""
+    chats = [pairs for pairs in map(_chat_pairs, _conversations(cfg.split_records, path)) if pairs]
     random.Random(seed).shuffle(chats)
     return chats[: cfg.num_conversations]
 
@@ -198,7 +203,7 @@ def sharegpt_multiturn(
     chat = ChatMLTokenizer(tokenizer_dir)
     trace: list[TraceRequest] = []
     start = 0.0
-    for index, pairs in enumerate(_sample_conversations(cfg, seed)):
+    for index, pairs in enumerate(sample_conversations(cfg, seed)):
         start += rng.expovariate(cfg.conversation_rate)
         now = start
         for prompt, output in _conversation_turns(pairs, chat, cfg.context_length):

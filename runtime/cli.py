@@ -10,7 +10,7 @@ USAGE = """usage: radixlm <command> [options]
 
 commands:
   launch_server   start the HTTP server (see `radixlm launch_server --help`)
-  bench           benchmarks: `radixlm bench cache-sim` (see its --help)
+  bench           benchmarks: `radixlm bench cache-sim`, `radixlm bench serving` (see --help)
 """
 
 BENCH_USAGE = """usage: radixlm bench <benchmark> [options]
@@ -18,14 +18,30 @@ BENCH_USAGE = """usage: radixlm bench <benchmark> [options]
 benchmarks:
   cache-sim   replay request traces against the radix tree at several page budgets:
               token hit rate per eviction policy vs Belady's offline optimum
+  serving     load a server (or a transformers baseline) with ShareGPT / random /
+              generated-shared-prefix / multi-turn requests: throughput, TTFT, TPOT,
+              ITL, prefix-cache hit rate, KV usage (flags as SGLang's bench_serving)
+  serving-plot
+              TTFT / ITL / throughput versus request rate from `serving` JSONL records
 """
 
 
-def _bench(argv: list[str]) -> None:
-    if argv and argv[0] == "cache-sim":
-        from radixlm.runtime.cache_sim import main as cache_sim
+def _bench_main(name: str):
+    if name == "cache-sim":
+        from radixlm.runtime.cache_sim import main
+    elif name == "serving":
+        from radixlm.runtime.bench_serving import main
+    elif name == "serving-plot":
+        from radixlm.runtime.bench_serving import plot_main as main
+    else:
+        return None
+    return main
 
-        code = cache_sim(argv[1:])
+
+def _bench(argv: list[str]) -> None:
+    main = _bench_main(argv[0]) if argv else None
+    if main is not None:
+        code = main(argv[1:])
         if code:
             sys.exit(code)
         return

@@ -272,7 +272,7 @@ def fake_records() -> list[dict]:
 
 
 def test_conversations_join_split_records(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("radixlm.runtime.sharegpt.iter_records", lambda: iter(fake_records()))
+    monkeypatch.setattr("radixlm.runtime.sharegpt.iter_records", lambda path=None: iter(fake_records()))
     joined = [ct._chat_pairs(m) for m in ct._conversations(split_records=False)]
     assert joined == [[("w1", "w2"), ("w3", "w4"), ("w7", "w8")], [("w5", "w6")], []]
     split = [ct._chat_pairs(m) for m in ct._conversations(split_records=True)]
@@ -282,7 +282,7 @@ def test_conversations_join_split_records(monkeypatch: pytest.MonkeyPatch) -> No
 def test_sharegpt_multiturn_interleaves_conversations(
     monkeypatch: pytest.MonkeyPatch, word_tokenizer: str
 ) -> None:
-    monkeypatch.setattr("radixlm.runtime.sharegpt.iter_records", lambda: iter(fake_records()))
+    monkeypatch.setattr("radixlm.runtime.sharegpt.iter_records", lambda path=None: iter(fake_records()))
     cfg = ct.MultiTurnConfig(num_conversations=5, conversation_rate=1.0, think_time_s=30.0)
     trace = ct.sharegpt_multiturn(cfg, seed=4, tokenizer_dir=word_tokenizer)
     assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
