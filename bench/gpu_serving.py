@@ -97,9 +97,28 @@ class Runner:
         self.plots = args.out / "plots"
         self.seconds: dict[str, float] = {}
         self.errors: dict[str, str] = {}
+        self.extra: dict[str, dict] = {}  # results of steps that are not `bench serving` runs
         self.start = time.perf_counter()
 
-    def bench(self, tag: str, *flags: str) -> None:
+    def random(self, n: int, concurrency: int) -> list[str]:
+        """Random-token prompts of 512 tokens, 256 output tokens, at most ``concurrency``
+        in flight: steady decode at that batch size (TPOT)."""
+        return ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "256",
+                "--random-range-ratio", "1.0", "--num-prompts", str(n), "--max-concurrency", str(concurrency),
+                "--tokenizer", str(self.args.tokenizer_dir)]
+
+    def timed(self, tag: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.extra[tag] = fn()
+        except Exception as exc:
+            traceback.print_exc()
+            self.errors[tag] = f"{type(exc).__name__}: {exc}"
+        self.seconds[tag] = time.perf_counter() - t0
+        self.write_summary()
+
+    def bench(self, tag: str, *flags: str, scrape: str | None = None) -> None:
+        before = scheduler_counters(scrape) if scrape else None
         t0 = time.perf_counter()
         if t0 - self.start > self.args.budget_s:
             self.errors[tag] = f"skipped: {t0 - self.start:.0f} s > --budget-s"
@@ -113,6 +132,13 @@ class Runner:
             traceback.print_exc()
             self.errors[tag] = f"{type(exc).__name__}: {exc}"
         self.seconds[tag] = time.perf_counter() - t0
+        if before is not None:
+            after = scheduler_counters(scrape)
+            delta = {k: after[k] - before[k] for k in after}
+            steps = max(delta["radixlm:decode_steps_total"], 1)
+            self.extra[f"{tag}-scheduler"] = dict(
+                delta, busy_ms_per_forward_step=1e3 * delta["radixlm:scheduler_busy_seconds_total"]
+                / max(delta["radixlm:forward_steps_total"], 1), decode_steps=steps)
         self.write_summary()  # after every step: a run killed later keeps what it measured
 
     def write_summary(self) -> dict:
@@ -141,11 +167,61 @@ def serve_and_bench(run: Runner, model_dir: Path) -> None:
                       "--gsp-num-groups", str(args.gsp_num_groups), "--gsp-prompts-per-group",
                       "16", "--gsp-system-prompt-len", "2048", "--gsp-question-len", "128",
                       "--gsp-output-len", "256", "--tokenizer", str(args.tokenizer_dir))
+        run.bench("decode-batch1", *url, *run.random(3, 1))
+        run.bench("decode-batch64", *url, *run.random(128, 64), scrape=srv.url)
+        run.timed("prefix-ttft-4k", lambda: prefix_ttft_4k(srv.url))
         if not args.skip_sweep:
             rates = [str(r) for r in args.sweep_rates]
             run.bench("sharegpt-rate-sweep", *url, *run.sharegpt(args.sweep_num_prompts),
                       "--request-rate", *rates)
         print(f"server exit code {srv.stop()}", flush=True)
+
+
+def scheduler_counters(url: str) -> dict[str, float]:
+    """The scheduler's cumulative step counters and busy time from /metrics."""
+    import httpx
+
+    keys = ("radixlm:forward_steps_total", "radixlm:decode_steps_total", "radixlm:scheduler_busy_seconds_total")
+    values = dict.fromkeys(keys, 0.0)
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in values:
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def prefix_ttft_4k(url: str, vocab: int = 49152, new_tokens: int = 8) -> dict:
+    """TTFT of a 4096-token prompt cold vs with its first 3968 tokens cached, and whether
+    the greedy outputs are identical. Kernels are warmed up on another 4K prompt first."""
+    import random as rnd
+
+    import httpx
+
+    def generate(ids: list[int], n: int) -> tuple[float, list[int], int]:
+        body = {"input_ids": ids, "stream": True,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+        t0, ttft, out, cached = time.perf_counter(), None, [], 0
+        with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/generate", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    out = chunk.get("output_ids", out)
+                    cached = chunk.get("meta_info", {}).get("cached_tokens", cached)
+        return ttft, out, cached
+
+    r = rnd.Random(7)
+    prompt = [r.randrange(3, vocab) for _ in range(4096)]
+    flush = lambda: httpx.post(f"{url}/flush_cache", timeout=60)  # noqa: E731
+    generate([r.randrange(3, vocab) for _ in range(4096)], 2)  # warm-up: compile, allocate
+    flush()
+    cold, cold_out, cold_cached = generate(prompt, new_tokens)
+    flush()
+    generate(prompt[:3968], 1)  # caches exactly 248 pages
+    warm, warm_out, warm_cached = generate(prompt, new_tokens)
+    return {"cold_ttft_s": cold, "cached_ttft_s": warm, "ratio": warm / cold, "cold_cached_tokens": cold_cached,
+            "cached_tokens": warm_cached, "identical_greedy": cold_out == warm_out, "cold_output": cold_out,
+            "cached_output": warm_out}
 
 
 def summarize(run: Runner) -> dict:
@@ -157,7 +233,7 @@ def summarize(run: Runner) -> dict:
     summary = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
                "args": {k: str(v) for k, v in vars(run.args).items()},
-               "seconds": run.seconds, "errors": run.errors, "runs": by_tag}
+               "seconds": run.seconds, "errors": run.errors, "runs": by_tag, "extra": run.extra}
     ours = by_tag.get("sharegpt-offline-baseline-prompts")
     hf = by_tag.get("hf-generate-batch")
     if ours and hf and hf[0]["output_throughput"]:

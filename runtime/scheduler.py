@@ -174,10 +174,10 @@ class Scheduler:
             self.runner.apply_swaps(decision)
         launched = None
         if decision.items:
-            launched = self.runner.launch(decision)
-            self._advance(launched)
             self.counters["steps"] += 1
             self.counters["decode_steps"] += all(it.num_tokens == 1 and it.samples for it in decision.items)
+            launched = self.runner.launch(decision)
+            self._advance(launched)
         if self.inflight is not None:
             self._collect()
             collected = True
