@@ -40,7 +40,7 @@ class PrefixCache:
         assert not req.pages and req.tree_node is None, "request already holds KV"
         if self.tree is None or max_tokens < self.page_size:
             return 0
-        match = self.tree.match_prefix(req.all_ids[:max_tokens])
+        match = self.tree.match_prefix(req.token_array(max_tokens))
         if match.num_tokens == 0:
             return 0
         self.tree.inc_lock(match.node)
@@ -88,8 +88,7 @@ class PrefixCache:
         num_pages = min(req.num_computed // self.page_size, len(req.pages))
         if num_pages <= req.num_tree_pages:
             return
-        tokens = req.all_ids[: num_pages * self.page_size]
-        result = self.tree.insert(tokens, req.pages[:num_pages])
+        result = self.tree.insert(req.token_array(num_pages * self.page_size), req.pages[:num_pages])
         dup = [mine for mine, kept in zip(req.pages, result.pages, strict=False) if mine != kept]
         req.pages[:num_pages] = result.pages
         self.tree.inc_lock(result.node)

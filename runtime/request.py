@@ -18,6 +18,7 @@ recomputed.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ class Req:
     swap_handle: Any = None
     max_computed: int = 0  # high-water mark of num_computed (recompute accounting)
     grammar: Any = None  # xgrammar GrammarMatcher of a structured-generation request
+    _packed: array = field(default_factory=lambda: array("I"), repr=False)  # see token_array
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:
@@ -90,6 +92,18 @@ class Req:
         if end <= n:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def token_array(self, end: int) -> array:
+        """``all_ids[:end]`` as ``array("I")``, the radix tree's packed form (a memcpy for
+        it, radix/tree.py). The prompt is packed once and output tokens are appended as
+        they come (both lists only grow), so matching and inserting a long prompt never
+        converts it again."""
+        packed, n = self._packed, len(self.prompt_ids)
+        if len(packed) < n:
+            packed.extend(self.prompt_ids[len(packed) :])
+        if len(packed) < self.seq_len:
+            packed.extend(self.output_ids[len(packed) - n :])
+        return packed[:end]
 
     @property
     def seq_len(self) -> int:

@@ -416,3 +416,14 @@ def test_auto_mode_asks_the_cost_model_and_respects_swap_space():
     p2.preemption_mode, p2.swap_capacity_tokens = "swap", 4  # 2 pages do not fit in 4 tokens
     reqs2["c"].last_scheduled_step = p2.step - 1
     assert p2.plan().swap_out == [] and reqs2["c"].swap_tokens == 0
+
+
+def test_token_array_tracks_prompt_and_output():
+    """Req.token_array: all_ids[:end] packed, extended as output tokens arrive."""
+    req = make_req("a", [5, 6, 7])
+    assert req.token_array(2).tolist() == [5, 6]
+    req.output_ids += [8, 9]
+    assert req.token_array(5).tolist() == [5, 6, 7, 8, 9]
+    assert req.token_array(4).tolist() == req.all_ids[:4]
+    req.output_ids.append(10)
+    assert req.token_array(99).tolist() == req.all_ids
