@@ -49,6 +49,13 @@ popped (still attached, still a leaf, still unlocked, newest entry for the node,
 current). Each evicted leaf costs O(log n) amortised; stale entries are dropped by a
 rebuild once they outnumber the nodes.
 
+Listening: ``tree.listener`` (None by default) is told which prefixes may have changed
+length, so a scheduler can keep the match lengths of waiting requests current without
+re-matching them all (runtime/waiting_order.py): ``edge_changed(parent, first_page)``
+after the child of ``parent`` under ``first_page`` was added, split or removed;
+``node_removed(node)`` just before a leaf is detached; ``reset()`` after ``reset``.
+``peek_prefix`` is the read-only match it re-matches with.
+
 Not thread-safe: one owner (the scheduler thread) calls every method.
 """
 
@@ -59,6 +66,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from radixlm.radix.eviction import CandidateHeap, get_policy
 
@@ -123,6 +131,31 @@ class MatchResult:
     node: TreeNode  # deepest matched node; the root when nothing matched
 
 
+@dataclass(frozen=True, slots=True)
+class PeekResult:
+    """Read-only match (``peek_prefix``): where a token sequence hangs in the tree.
+
+    ``node`` is the deepest node whose whole path is a prefix of the tokens;
+    ``num_tokens`` (a multiple of S) also counts the whole pages matched inside the next
+    child; ``next_page`` is the first page after ``node`` (the child's dict key whether
+    or not that child exists), None when the tokens' whole pages end at ``node``.
+    """
+
+    node: TreeNode
+    num_tokens: int
+    next_page: Key | None
+
+
+class TreeListener(Protocol):
+    """Told about structural changes that can change match lengths (module docstring)."""
+
+    def edge_changed(self, parent: TreeNode, first_page: Key) -> None: ...
+
+    def node_removed(self, node: TreeNode) -> None: ...
+
+    def reset(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class InsertResult:
     """Outcome of ``insert``; see ``RadixTree.insert`` for freeing duplicates."""
@@ -149,6 +182,7 @@ class RadixTree:
         self.eviction_policy = eviction_policy
         self._policy = get_policy(eviction_policy)
         self._clock = clock
+        self.listener: TreeListener | None = None
         self._init_state()
 
     def _init_state(self) -> None:
@@ -196,6 +230,33 @@ class RadixTree:
         key = key[: len(key) // self._page_bytes * self._page_bytes]  # whole pages only
         node, num_tokens, pages = self._walk(key, self._clock(), hit=True)
         return MatchResult(pages=pages, num_tokens=num_tokens, node=node)
+
+    def peek_prefix(self, tokens: Sequence[int], start: TreeNode | None = None) -> PeekResult:
+        """Like ``match_prefix`` but read-only: no split, no touch, no page list.
+
+        ``start`` (default the root) resumes a walk at a node known to be on the tokens'
+        path (an attached node whose ``prefix_len`` tokens are a prefix of ``tokens``),
+        e.g. the ``node`` of an earlier peek, which stays valid across splits. O(nodes
+        on the path) Python steps plus one memcmp per node.
+        """
+        key = pack_tokens(tokens)
+        key = key[: len(key) // self._page_bytes * self._page_bytes]  # whole pages only
+        node = self._root if start is None else start
+        pos = node.prefix_len * TOKEN_BYTES
+        while pos < len(key):
+            first = self._first_page(key, pos)
+            child = node.children.get(first)
+            if child is None:
+                return PeekResult(node, pos // TOKEN_BYTES, first)
+            matched = self._common_len(child.packed, key, pos)
+            if matched < len(child.packed):
+                return PeekResult(node, (pos + matched) // TOKEN_BYTES, first)
+            node, pos = child, pos + matched
+        return PeekResult(node, pos // TOKEN_BYTES, None)
+
+    def is_attached(self, node: TreeNode) -> bool:
+        """True for the root and for nodes not evicted or dropped by ``reset``."""
+        return node is self._root or node.parent is not None
 
     # ---------------------------------------------------------------- mutations
 
@@ -284,6 +345,8 @@ class RadixTree:
             pages.extend(node.pages)
             node.parent = None
         self._init_state()
+        if self.listener is not None:
+            self.listener.reset()
         return pages
 
     def check_invariants(self) -> None:
@@ -356,12 +419,16 @@ class RadixTree:
         node.packed, node.pages, node.parent = node.packed[cut:], node.pages[at // size :], upper
         upper.children[self._first_page(node.packed)] = node
         self._num_nodes += 1
+        if self.listener is not None:
+            self.listener.edge_changed(parent, self._first_page(upper.packed))
         return upper
 
     def _add_leaf(self, parent: TreeNode, key: bytes, pages: list[int], now: float) -> TreeNode:
         end = parent.prefix_len + len(key) // TOKEN_BYTES
         leaf = TreeNode(packed=key, pages=pages, parent=parent, last_access=now, prefix_len=end)
         parent.children[self._first_page(key)] = leaf
+        if self.listener is not None:
+            self.listener.edge_changed(parent, self._first_page(key))
         self._num_nodes += 1
         self._cached += len(pages)
         self._push_if_candidate(leaf)
@@ -370,7 +437,11 @@ class RadixTree:
     def _remove_leaf(self, leaf: TreeNode) -> list[int]:
         parent = leaf.parent
         assert parent is not None
-        del parent.children[self._first_page(leaf.packed)]
+        first = self._first_page(leaf.packed)
+        if self.listener is not None:
+            self.listener.node_removed(leaf)
+            self.listener.edge_changed(parent, first)
+        del parent.children[first]
         leaf.parent = None
         self._num_nodes -= 1
         self._cached -= leaf.num_pages

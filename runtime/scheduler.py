@@ -62,6 +62,9 @@ class Scheduler:
             preemption_mode=args.preemption_mode,
             swap_capacity_tokens=int(args.swap_space_gb * 2**30) // runner.pool.bytes_per_token,
             swap_is_cheaper=runner.swap_cost_model().swap_is_cheaper,
+            schedule_policy=args.schedule_policy,
+            schedule_max_wait_s=args.schedule_max_wait_s,
+            schedule_max_passes=args.schedule_max_passes,
         )
         self.stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids, runner.context_length)
         self.reqs: dict[str, Req] = {}
