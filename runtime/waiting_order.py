@@ -5,10 +5,14 @@ Policies (SGLang's names, ``--schedule-policy``):
 * ``fcfs``: arrival order.
 * ``lpm``: longest prefix match first (most tokens already cached), ties by arrival.
 * ``dfs-weight``: depth-first over the radix tree; at each node the branch holding the
-  most waiting requests (its weight) goes first, deeper matches before the requests
-  hanging at the node itself, so requests sharing a prefix run back to back while it is
-  cached (SGLang's DFS weight; Zheng et al., "SGLang: Efficient Execution of Structured
-  Language Model Programs", 2024, section 3, cache-aware scheduling).
+  most requests (its weight) goes first, deeper matches before the requests hanging at
+  the node itself, so requests sharing a prefix run back to back while it is cached
+  (SGLang's DFS weight; Zheng et al., "SGLang: Efficient Execution of Structured
+  Language Model Programs", 2024, section 3, cache-aware scheduling). Unlike SGLang the
+  weight also counts running requests (at the node their cached prefix ends) and ties
+  go to the cached branch: counting only waiting requests makes the order round-robin
+  over groups (admitting one lowers its group's weight below the next group's), which
+  evicts every shared prefix before its reuse under a small pool (BENCHMARKS.md).
 
 Starvation guard (every policy): the oldest waiting request goes first once it has
 waited ``max_wait_s`` seconds or ``max_passes`` other requests were admitted while it
@@ -163,7 +167,7 @@ class WaitingOrder:
         elif self.policy == "lpm":
             order = self._lpm()
         else:
-            order = self._dfs()
+            order = self._dfs(running)
         with_guard = self._promoted
         for req in order:
             if req is not with_guard:
@@ -219,11 +223,12 @@ class WaitingOrder:
                 if hang is not None and hang.seq == entry[2]:
                     heapq.heappush(self._heap, entry)
 
-    def _dfs(self) -> Iterator[Req]:
+    def _dfs(self, running: list[Req]) -> Iterator[Req]:
         weight: dict[TreeNode, int] = {}
         kids: dict[TreeNode, list[TreeNode]] = {}
-        for node, buckets in self._buckets.items():
-            n = sum(map(len, buckets.values()))
+        counts = [(node, sum(map(len, buckets.values()))) for node, buckets in self._buckets.items()]
+        counts += [(r.tree_node, 1) for r in running if r.tree_node is not None]
+        for node, n in counts:
             step = node
             while True:  # add n on the path to the root
                 before = weight.get(step)
@@ -248,7 +253,7 @@ class WaitingOrder:
             group = groups.setdefault(child, [0, None, None])
             group[0] += weight[child]
             group[1] = child
-        for _, child, page in sorted(groups.values(), key=lambda g: -g[0]):
+        for _, child, page in sorted(groups.values(), key=lambda g: (-g[0], g[1] is None)):
             if child is not None:
                 yield from self._dfs_from(child, weight, kids)
             if page is not None:
