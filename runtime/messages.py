@@ -141,6 +141,8 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     num_evicted_pages: int  # cumulative
     num_swapped_out: int = 0  # cumulative: preemptions that swapped KV to host memory
     prefill_tokens_recomputed: int = 0  # cumulative: KV computed again after a preemption
+    kv_waste_tokens: int = 0  # KV slots held by running requests without a computed token
+    page_size: int = 1  # tokens per KV page (to turn the page counts into tokens)
 
 
 class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):

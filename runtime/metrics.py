@@ -57,6 +57,10 @@ class Metrics:
         self.evicted = gauge("evicted_pages_total", "Radix-tree pages evicted so far.")
         self.swapped_out = gauge("num_swapped_out_total", "Preemptions that swapped KV to host memory.")
         self.recomputed = gauge("recomputed_tokens_total", "Tokens whose KV was computed again after a preemption.")
+        self.kv_waste = gauge("kv_cache_waste_tokens",
+                              "KV slots held by running requests that hold no computed token "
+                              "(partial last pages, pages grown ahead).")
+        self.kv_waste_ratio = gauge("kv_cache_waste_ratio", "kv_cache_waste_tokens / KV slots in use.")
 
     def observe_chunk(self, gen, chunk) -> None:
         """Count one SampleChunk of request ``gen`` (stateless: the start time is
@@ -84,4 +88,7 @@ class Metrics:
             self.evicted.set(stats.num_evicted_pages)
             self.swapped_out.set(stats.num_swapped_out)
             self.recomputed.set(stats.prefill_tokens_recomputed)
+            self.kv_waste.set(stats.kv_waste_tokens)
+            used_slots = stats.kv_used_pages * stats.page_size
+            self.kv_waste_ratio.set(stats.kv_waste_tokens / used_slots if used_slots else 0.0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

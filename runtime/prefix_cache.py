@@ -126,6 +126,18 @@ class PrefixCache:
     def used_pages(self) -> int:
         return self.allocator.capacity - self.allocator.num_free
 
+    def waste_tokens(self, reqs: list[Req]) -> int:
+        """KV slots allocated to ``reqs`` that hold no computed token: per request its
+        page table's slots minus ``num_computed`` (the partial last page plus pages
+        grown ahead of the computation). Tree pages are full and computed, so shared
+        pages add nothing and nothing is counted twice.
+
+            req.pages:  [ p0 | p1 | p2 ... ]   len(req.pages) * page_size slots
+            computed:   [ ############.... ]   num_computed
+                                      ^^^^ waste
+        """
+        return sum(len(req.pages) * self.page_size - req.num_computed for req in reqs)
+
     def check_invariants(self, live: list[Req]) -> None:
         """free + cached + owned-by-requests == capacity; no page both free and
         referenced; tree pages referenced by requests are the tree's; no lock held

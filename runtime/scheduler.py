@@ -256,6 +256,8 @@ class Scheduler:
             num_evicted_pages=self.cache.num_evicted_pages,
             num_swapped_out=self.planner.num_swapped_out,
             prefill_tokens_recomputed=self.counters["recomputed"],
+            kv_waste_tokens=self.cache.waste_tokens(self.planner.running),
+            page_size=self.args.page_size,
         )
 
     def check_invariants(self) -> None:

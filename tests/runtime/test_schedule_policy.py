@@ -594,3 +594,24 @@ def test_without_radix_cache_every_policy_is_fcfs():
     p.add(a)
     p.add(b)
     assert p.order.policy == "fcfs" and _order(p) == ["a", "b"]
+
+
+# ------------------------------------------------------------ KV waste (issue 4)
+
+
+def test_kv_waste_is_partial_pages_of_running_requests():
+    """waste = page-table slots - computed tokens, summed over running requests; shared
+    tree pages are full, so a shared prefix adds nothing."""
+    p = make_planner(num_pages=32)
+    a = make_req("a", range(10))
+    p.add(a)
+    run_step(p)  # a: 10 computed in 3 pages (12 slots)
+    assert p.cache.waste_tokens(p.running) == 2
+    b = make_req("b", list(range(8)) + [50, 51, 52])  # shares a's first 2 pages
+    p.add(b)
+    run_step(p)  # a decodes (11 computed, 12 slots); b: 8 cached + 3 computed in 3 pages
+    assert (b.num_tree_pages, len(b.pages), b.num_computed) == (2, 3, 11)
+    assert p.cache.waste_tokens([a]) == 1 and p.cache.waste_tokens([b]) == 1
+    assert p.cache.waste_tokens(p.running) == 2
+    run_step(p)  # a: 12 computed, page full; b: 12 computed
+    assert p.cache.waste_tokens(p.running) == 0

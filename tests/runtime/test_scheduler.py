@@ -154,3 +154,17 @@ def test_scheduler_builds_its_tree_with_the_eviction_policy(policy: str) -> None
     scheduler = make(StubRunner(), radix_eviction_policy=policy)
     assert scheduler.cache.tree is not None and scheduler.cache.tree.eviction_policy == policy
     assert make(StubRunner(), radix_eviction_policy=policy, disable_radix_cache=True).cache.tree is None
+
+
+def test_stats_report_kv_waste_and_prometheus_exports_it():
+    from radixlm.runtime.metrics import Metrics
+
+    s = make(StubRunner())
+    s.handle(gen("a", n_prompt=20, max_new_tokens=8))  # 20 tokens in 2 pages of 16
+    s._safe_step()
+    stats = s.stats()
+    assert (stats.kv_waste_tokens, stats.page_size) == (12, 16)  # 32 slots, 20 computed
+    text = Metrics("m").render(stats)[0].decode()
+    assert 'radixlm:kv_cache_waste_tokens{model_name="m"} 12.0' in text
+    used = stats.kv_used_pages * 16
+    assert f'radixlm:kv_cache_waste_ratio{{model_name="m"}} {12 / used}' in text
