@@ -14,8 +14,9 @@ planner tests do). Two measurements:
 (2) plan() CPU time against queue length (10 .. 10,000 waiting requests), per policy:
     64 requests decoding, the queue topped up to its length after every step (half the
     requests share one of 64 cached system prompts, half match nothing), outputs of 4
-    tokens so admissions happen at every step. Mean and p99 of plan() over the steps,
-    plus the cost of ``add`` per request.
+    tokens so admissions happen at every step. Median and p90 of plan() over the steps
+    (medians: on a shared machine a mean mostly measures preemption by other processes),
+    plus the cost of ``add`` per request (the garbage collector is off while timing).
 
     .venv/bin/python bench/bench_schedule.py [--out bench/results] [--skip-hit-rate]
 """
@@ -23,6 +24,7 @@ planner tests do). Two measurements:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -116,6 +118,7 @@ def plan_time_run(policy: str, queue_len: int, args: argparse.Namespace) -> dict
     plan_ns: list[float] = []
     for s in range(args.plan_steps + 20):
         batch = [new_req() for _ in range(queue_len - len(p.waiting))]
+        gc.disable()  # time the code, not a collection of the bench's own garbage
         t0 = time.perf_counter_ns()
         for req in batch:
             p.add(req)
@@ -125,11 +128,12 @@ def plan_time_run(policy: str, queue_len: int, args: argparse.Namespace) -> dict
         decision = p.plan()
         if s >= 20:  # warm-up: the running batch fills first
             plan_ns.append(time.perf_counter_ns() - t0)
+        gc.enable()
         apply(p, decision, counters)
     plan_ns.sort()
-    return {"policy": policy, "queue_len": queue_len, "plan_us_mean": statistics.fmean(plan_ns) / 1e3,
-            "plan_us_p99": plan_ns[int(0.99 * (len(plan_ns) - 1))] / 1e3,
-            "add_us": statistics.fmean(add_ns) / 1e3 if add_ns else 0.0}
+    return {"policy": policy, "queue_len": queue_len, "plan_us_median": statistics.median(plan_ns) / 1e3,
+            "plan_us_p90": plan_ns[int(0.9 * (len(plan_ns) - 1))] / 1e3,
+            "add_us_median": statistics.median(add_ns) / 1e3 if add_ns else 0.0}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -167,11 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in args.queue_lengths.split(",")]
         rows = [plan_time_run(policy, n, args) for n in lengths for policy in SCHEDULE_POLICIES]
         result["plan_time"] = rows
-        print("| waiting | policy | plan() mean us | plan() p99 us | add() us/request |")
+        print("| waiting | policy | plan() median us | plan() p90 us | add() median us/request |")
         print("|---:|---|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['queue_len']} | {r['policy']} | {r['plan_us_mean']:.0f} | {r['plan_us_p99']:.0f} "
-                  f"| {r['add_us']:.1f} |", flush=True)
+            print(f"| {r['queue_len']} | {r['policy']} | {r['plan_us_median']:.0f} | {r['plan_us_p90']:.0f} "
+                  f"| {r['add_us_median']:.1f} |", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_schedule.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -129,6 +129,7 @@ class BatchPlanner:
         self.swap_is_cheaper = swap_is_cheaper
         self.swapped_tokens = 0  # host tokens held by swapped-out requests (page-rounded)
         self.num_swapped_out = 0
+        self._running_reserve: int | None = None  # see _decode_reserve
         tree = cache.tree if enable_prefix_reuse else None
         self.order = WaitingOrder(schedule_policy, tree, self._match_limit, schedule_max_wait_s,
                                   schedule_max_passes, clock)
@@ -261,6 +262,7 @@ class BatchPlanner:
         return True
 
     def _admit_waiting(self, decision: ScheduleDecision, budget: int) -> None:
+        self._running_reserve = None  # the running requests' decode reserve, summed lazily
         with contextlib.closing(self.order.candidates(self.waiting, self.running)) as candidates:
             for req in candidates:
                 if budget <= 0 or len(self.running) >= self.max_running_requests:
@@ -295,6 +297,8 @@ class BatchPlanner:
             return None
         self.order.admitted(req)
         self._take_waiting(req)
+        if self._running_reserve is not None:
+            self._running_reserve += self._reserve_extra(req, 1)
         self.running.append(req)
         self.running.sort(key=_arrival)
         self._schedule(decision, req, n)
@@ -321,17 +325,20 @@ class BatchPlanner:
     def _decode_reserve(self, candidate: Req) -> int:
         """Pages to keep free for decode: for each running request (at least one page
         each) and for ``candidate``, the pages that ``reserve_ratio`` x its expected
-        remaining output tokens would add beyond the pages it holds or is about to get."""
+        remaining output tokens would add beyond the pages it holds or is about to get.
+        The running requests' part is summed once per plan (``_running_reserve``) and
+        grown as requests are admitted: O(running + admitted), not their product."""
+        if self._running_reserve is None:
+            self._running_reserve = sum(self._reserve_extra(r, 1) for r in self.running)
+        return self._running_reserve + self._reserve_extra(candidate, 0)
+
+    def _reserve_extra(self, req: Req, min_pages: int) -> int:
         ratio = self.reserve_ratio
-
-        def extra(req: Req, min_pages: int) -> int:
-            if ratio <= 0:
-                return min_pages
-            tokens = req.seq_len + ratio * self.estimator.expected_remaining(req)
-            held = max(len(req.pages), -(-req.seq_len // self.page_size))
-            return max(-(-int(tokens) // self.page_size) - held, min_pages)
-
-        return sum(extra(r, 1) for r in self.running) + extra(candidate, 0)
+        if ratio <= 0:
+            return min_pages
+        tokens = req.seq_len + ratio * self.estimator.expected_remaining(req)
+        held = max(len(req.pages), -(-req.seq_len // self.page_size))
+        return max(-(-int(tokens) // self.page_size) - held, min_pages)
 
     def _match_limit(self, req: Req) -> int:
         """Tokens that may come from the cache: never the last one (its logits are

@@ -134,7 +134,7 @@ class ServerArgs:
         0.25, "The decode reserve ratio decays to this value over 500 steps without preemption."
     )
     schedule_policy: str = _opt(
-        "fcfs",
+        "lpm",
         "Order in which waiting requests are admitted (runtime/waiting_order.py): 'fcfs' "
         "(arrival), 'lpm' (longest cached prefix first), 'dfs-weight' (depth-first over the "
         "radix tree, the branch with the most waiting requests first). Requires the radix "

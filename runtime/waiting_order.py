@@ -243,11 +243,16 @@ class WaitingOrder:
             yield from self._dfs_from(self.tree.root, weight, kids)
 
     def _dfs_from(self, node: TreeNode, weight: dict, kids: dict) -> Iterator[Req]:
+        """Branches by weight, heaviest first. A lone request with an uncached next page
+        (weight 1, the common case in a long queue of unrelated prompts) is not sorted:
+        those come last, in bucket order, so a plan stays O(buckets) with a small constant
+        and the sort covers only the branches that share something."""
         buckets = self._buckets.get(node, {})
-        groups: dict[object, list] = {}  # branch -> [weight, child with waiters, bucket page]
+        children = node.children
+        groups: dict[object, list] = {}  # branch -> [weight, child with requests, bucket page]
         for page, bucket in buckets.items():
-            if page is not None:
-                child = node.children.get(page)
+            if page is not None and (len(bucket) > 1 or page in children):
+                child = children.get(page)
                 groups[page if child is None else child] = [len(bucket), None, page]
         for child in kids.get(node, ()):
             group = groups.setdefault(child, [0, None, None])
@@ -258,6 +263,9 @@ class WaitingOrder:
                 yield from self._dfs_from(child, weight, kids)
             if page is not None:
                 yield from self._emit(buckets.get(page))
+        for page, bucket in list(buckets.items()):  # the lone ones
+            if page is not None and len(bucket) == 1 and page not in children:
+                yield from self._emit(bucket)
         yield from self._emit(buckets.get(None))
 
     def _emit(self, bucket: dict[Req, None] | None) -> Iterator[Req]:
