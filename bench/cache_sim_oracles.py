@@ -62,7 +62,7 @@ def liveness_oracle(trace: list[TraceRequest], page_size: int):
         last_arrival[req.session] = req.arrival_s
 
     def key(node) -> tuple[int, float]:
-        start = node.prefix_len - len(node.key)
+        start = node.prefix_len - node.num_tokens
         sessions = holders[start, node.key[:page_size]]
         alive = any(last_arrival[s] > node.last_access for s in sessions)
         return (int(alive), node.last_access)
