@@ -100,6 +100,8 @@ class WaitingOrder:
         self.num_promoted = 0  # requests the starvation guard moved to the front
         self._hang: dict[Req, _Hang] = {}
         self._buckets: dict[TreeNode, dict[Key | None, dict[Req, None]]] = {}
+        self._count: dict[TreeNode, int] = {}  # waiting requests hanging at the node
+        self._shared: dict[TreeNode, set[Key]] = {}  # its pages with a branch (see _is_shared)
         self._dirty: set[tuple[TreeNode, Key]] = set()
         self._removed: list[TreeNode] = []
         self._stale_all = False
@@ -226,7 +228,7 @@ class WaitingOrder:
     def _dfs(self, running: list[Req]) -> Iterator[Req]:
         weight: dict[TreeNode, int] = {}
         kids: dict[TreeNode, list[TreeNode]] = {}
-        counts = [(node, sum(map(len, buckets.values()))) for node, buckets in self._buckets.items()]
+        counts = list(self._count.items())
         counts += [(r.tree_node, 1) for r in running if r.tree_node is not None]
         for node, n in counts:
             step = node
@@ -243,17 +245,16 @@ class WaitingOrder:
             yield from self._dfs_from(self.tree.root, weight, kids)
 
     def _dfs_from(self, node: TreeNode, weight: dict, kids: dict) -> Iterator[Req]:
-        """Branches by weight, heaviest first. A lone request with an uncached next page
-        (weight 1, the common case in a long queue of unrelated prompts) is not sorted:
-        those come last, in bucket order, so a plan stays O(buckets) with a small constant
-        and the sort covers only the branches that share something."""
+        """Branches by weight, heaviest first. Lone requests (a bucket of one whose next
+        page is cached nowhere: the common case in a long queue of unrelated prompts)
+        are not sorted: they come last, in bucket order, so only the branches that share
+        something are sorted (``_shared`` tracks them as requests come and go)."""
         buckets = self._buckets.get(node, {})
         children = node.children
         groups: dict[object, list] = {}  # branch -> [weight, child with requests, bucket page]
-        for page, bucket in buckets.items():
-            if page is not None and (len(bucket) > 1 or page in children):
-                child = children.get(page)
-                groups[page if child is None else child] = [len(bucket), None, page]
+        for page in self._shared.get(node, ()):
+            child = children.get(page)
+            groups[page if child is None else child] = [len(buckets[page]), None, page]
         for child in kids.get(node, ()):
             group = groups.setdefault(child, [0, None, None])
             group[0] += weight[child]
@@ -263,8 +264,9 @@ class WaitingOrder:
                 yield from self._dfs_from(child, weight, kids)
             if page is not None:
                 yield from self._emit(buckets.get(page))
-        for page, bucket in list(buckets.items()):  # the lone ones
-            if page is not None and len(bucket) == 1 and page not in children:
+        shared = self._shared.get(node, set())
+        for page, bucket in list(buckets.items()):  # the lone ones (a snapshot: admission edits)
+            if page is not None and page not in shared:
                 yield from self._emit(bucket)
         yield from self._emit(buckets.get(None))
 
@@ -303,18 +305,39 @@ class WaitingOrder:
         peek = self.tree.peek_prefix(req.token_array(self.match_limit(req)), start)
         hang = _Hang(peek.node, peek.next_page, peek.num_tokens, next(self._seq))
         self._hang[req] = hang
-        self._buckets.setdefault(hang.node, {}).setdefault(hang.next_page, {})[req] = None
+        bucket = self._buckets.setdefault(hang.node, {}).setdefault(hang.next_page, {})
+        bucket[req] = None
+        self._count[hang.node] = self._count.get(hang.node, 0) + 1
+        self._classify(hang.node, hang.next_page, bucket)
         if self.policy == "lpm":
             heapq.heappush(self._heap, (-hang.num_tokens, req.arrival, hang.seq, req))
 
     def _unbucket(self, req: Req, hang: _Hang) -> None:
-        buckets = self._buckets[hang.node]
+        node = hang.node
+        buckets = self._buckets[node]
         bucket = buckets[hang.next_page]
         del bucket[req]
+        self._classify(node, hang.next_page, bucket)
+        self._count[node] -= 1
         if not bucket:
             del buckets[hang.next_page]
             if not buckets:
-                del self._buckets[hang.node]
+                del self._buckets[node], self._count[node]
+
+    @staticmethod
+    def _is_shared(node: TreeNode, page: Key | None, bucket: dict) -> bool:
+        """A bucket is a branch of its own in dfs-weight when more than one request
+        hangs there or its next page is cached (a child to descend into)."""
+        return page is not None and bool(bucket) and (len(bucket) > 1 or page in node.children)
+
+    def _classify(self, node: TreeNode, page: Key | None, bucket: dict) -> None:
+        if self._is_shared(node, page, bucket):
+            self._shared.setdefault(node, set()).add(page)
+        elif page is not None and node in self._shared:
+            pages = self._shared[node]
+            pages.discard(page)
+            if not pages:
+                del self._shared[node]
 
     # ----------------------------------------------------------------- checks
     def check_invariants(self, waiting: list[Req]) -> None:
@@ -330,3 +353,9 @@ class WaitingOrder:
             assert got == (hang.node, hang.next_page, hang.num_tokens), f"{req.rid}: stale match"
             assert req in self._buckets[hang.node][hang.next_page], f"{req.rid}: not in its bucket"
         assert sum(len(b) for bs in self._buckets.values() for b in bs.values()) == len(waiting)
+        for node, buckets in self._buckets.items():
+            assert self._count[node] == sum(map(len, buckets.values())), "stale count"
+            shared = {page for page, b in buckets.items() if self._is_shared(node, page, b)}
+            assert shared == self._shared.get(node, set()), "stale shared-branch set"
+        assert set(self._count) == set(self._buckets)
+        assert set(self._shared) <= set(self._buckets)
