@@ -21,8 +21,8 @@ Representation (for speed, see bench/bench_radix.py): a node stores its key pack
 then one ``bytes.startswith`` (a memcmp) instead of a per-token Python comparison, so
 match + insert cost O(1) Python operations per node on the path plus C-speed work per
 token (packing the request's tokens once; an ``array("I")`` argument is already packed).
-Token ids must lie in [0, 2**32). Child dict
-keys stay tuples of the first page's token ids (one ``struct.unpack_from``).
+Token ids must lie in [0, 2**32) (ValueError otherwise). Child dict keys stay tuples of
+the first page's token ids (one ``struct.unpack_from``).
 
 Split (S = 2). A match or insert of "a b c d q r" reaches node [a b c d e f] and stops
 after "c d", which is a page boundary:
