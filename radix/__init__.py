@@ -8,6 +8,6 @@ lives in radix/invariants.py. Imports only the standard library.
 from __future__ import annotations
 
 from radixlm.radix.eviction import EVICTION_POLICIES
-from radixlm.radix.tree import InsertResult, MatchResult, RadixTree
+from radixlm.radix.tree import InsertResult, MatchResult, PeekResult, RadixTree, TreeListener
 
-__all__ = ["EVICTION_POLICIES", "InsertResult", "MatchResult", "RadixTree"]
+__all__ = ["EVICTION_POLICIES", "InsertResult", "MatchResult", "PeekResult", "RadixTree", "TreeListener"]

@@ -32,22 +32,23 @@ def check_tree(tree: RadixTree) -> None:
 def _check_root(tree: RadixTree) -> None:
     root = tree.root
     _require(root.parent is None, "root has a parent")
-    _require(root.key == () and root.pages == [], "root holds a key or pages")
+    _require(root.packed == b"" and root.pages == [], "root holds a key or pages")
     _require(root.prefix_len == 0, f"root prefix_len is {root.prefix_len}, expected 0")
     _require(root.lock_ref == 0, f"root lock_ref is {root.lock_ref}, expected 0")
 
 
 def _check_node(tree: RadixTree, node: TreeNode) -> None:
     size, parent = tree.page_size, node.parent
-    where = f"node key={node.key[:8]}..."
-    _require(len(node.key) > 0, f"{where}: empty key below the root")
-    _require(len(node.key) % size == 0, f"{where}: key length {len(node.key)} not page-aligned")
-    _require(len(node.pages) * size == len(node.key), f"{where}: pages do not cover the key")
+    key = node.key
+    where = f"node key={key[:8]}..."
+    _require(len(key) > 0, f"{where}: empty key below the root")
+    _require(len(key) % size == 0, f"{where}: key length {len(key)} not page-aligned")
+    _require(len(node.pages) * size == len(key), f"{where}: pages do not cover the key")
     if parent is None:
         raise AssertionError(f"{where}: reachable node has no parent")
-    _require(parent.children.get(node.key[:size]) is node, f"{where}: not under its first page")
+    _require(parent.children.get(key[:size]) is node, f"{where}: not under its first page")
     _require(
-        node.prefix_len == parent.prefix_len + len(node.key),
+        node.prefix_len == parent.prefix_len + len(key),
         f"{where}: prefix_len {node.prefix_len} != parent's {parent.prefix_len} + key length",
     )
     _require(node.lock_ref >= 0, f"{where}: negative lock_ref {node.lock_ref}")

@@ -15,6 +15,15 @@ ids whose length is a multiple of S, and the node holds one page id per S tokens
 Children are keyed by the first page of their key, ``child.key[:S]``, shown as ``(a b)``.
 Only whole pages are ever matched or stored: a trailing partial page is ignored.
 
+Representation (for speed, see bench/bench_radix.py): a node stores its key packed,
+``node.packed`` = the token ids as 4-byte unsigned ints (``array("I")`` bytes), and
+``node.key`` decodes it to a tuple. Comparing a node's key with a request's tokens is
+then one ``bytes.startswith`` (a memcmp) instead of a per-token Python comparison, so
+match + insert cost O(1) Python operations per node on the path plus C-speed work per
+token (packing the request's tokens once; an ``array("I")`` argument is already packed).
+Token ids must lie in [0, 2**32) (ValueError otherwise). Child dict keys stay tuples of
+the first page's token ids (one ``struct.unpack_from``).
+
 Split (S = 2). A match or insert of "a b c d q r" reaches node [a b c d e f] and stops
 after "c d", which is a page boundary:
 
@@ -40,25 +49,52 @@ popped (still attached, still a leaf, still unlocked, newest entry for the node,
 current). Each evicted leaf costs O(log n) amortised; stale entries are dropped by a
 rebuild once they outnumber the nodes.
 
+Listening: ``tree.listener`` (None by default) is told which prefixes may have changed
+length, so a scheduler can keep the match lengths of waiting requests current without
+re-matching them all (runtime/waiting_order.py): ``edge_changed(parent, first_page)``
+after the child of ``parent`` under ``first_page`` was added, split or removed;
+``node_removed(node)`` just before a leaf is detached; ``reset()`` after ``reset``.
+``peek_prefix`` is the read-only match it re-matches with.
+
 Not thread-safe: one owner (the scheduler thread) calls every method.
 """
 
 from __future__ import annotations
 
+import struct
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from radixlm.radix.eviction import CandidateHeap, get_policy
 
 Key = tuple[int, ...]
+TOKEN_TYPECODE = "I"  # packed token id: unsigned int, 4 bytes on every CPython platform
+TOKEN_BYTES = array(TOKEN_TYPECODE).itemsize
+assert TOKEN_BYTES == 4
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as ``node.packed`` stores them. ValueError outside [0, 2**32).
+
+    An ``array("I")`` is copied as is (a memcpy): a caller that matches and inserts the
+    same sequence keeps it as one (``Req.token_array``) and pays the packing once.
+    """
+    if isinstance(tokens, array) and tokens.typecode == TOKEN_TYPECODE:
+        return tokens.tobytes()
+    try:
+        return array(TOKEN_TYPECODE, tokens).tobytes()
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
 
 
 @dataclass(eq=False, slots=True)
 class TreeNode:
-    """One edge of the tree: ``key`` (token ids) and the page ids that hold them."""
+    """One edge of the tree: its token ids (``packed``) and the page ids that hold them."""
 
-    key: Key = ()
+    packed: bytes = b""  # the key's token ids, TOKEN_BYTES each (see the module docstring)
     pages: list[int] = field(default_factory=list)
     parent: TreeNode | None = field(default=None, repr=False)
     children: dict[Key, TreeNode] = field(default_factory=dict, repr=False)
@@ -67,6 +103,15 @@ class TreeNode:
     hit_count: int = 0
     prefix_len: int = 0  # tokens from the root to the end of ``key`` (the sequence's length)
     heap_seq: int = -1  # sequence number of this node's newest heap entry
+
+    @property
+    def key(self) -> Key:
+        """The token ids of this edge, decoded from ``packed`` (O(len); for checks)."""
+        return tuple(array(TOKEN_TYPECODE, self.packed))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.packed) // TOKEN_BYTES
 
     @property
     def num_pages(self) -> int:
@@ -84,6 +129,31 @@ class MatchResult:
     pages: list[int]
     num_tokens: int  # == len(pages) * page_size
     node: TreeNode  # deepest matched node; the root when nothing matched
+
+
+@dataclass(frozen=True, slots=True)
+class PeekResult:
+    """Read-only match (``peek_prefix``): where a token sequence hangs in the tree.
+
+    ``node`` is the deepest node whose whole path is a prefix of the tokens;
+    ``num_tokens`` (a multiple of S) also counts the whole pages matched inside the next
+    child; ``next_page`` is the first page after ``node`` (the child's dict key whether
+    or not that child exists), None when the tokens' whole pages end at ``node``.
+    """
+
+    node: TreeNode
+    num_tokens: int
+    next_page: Key | None
+
+
+class TreeListener(Protocol):
+    """Told about structural changes that can change match lengths (module docstring)."""
+
+    def edge_changed(self, parent: TreeNode, first_page: Key) -> None: ...
+
+    def node_removed(self, node: TreeNode) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -107,9 +177,12 @@ class RadixTree:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._first_page = struct.Struct(f"={page_size}{TOKEN_TYPECODE}").unpack_from  # child dict key
         self.eviction_policy = eviction_policy
         self._policy = get_policy(eviction_policy)
         self._clock = clock
+        self.listener: TreeListener | None = None
         self._init_state()
 
     def _init_state(self) -> None:
@@ -153,9 +226,37 @@ class RadixTree:
         boundary), sets ``last_access`` and bumps ``hit_count`` on every matched node.
         Does not lock: call ``inc_lock(result.node)`` to keep the prefix cached.
         """
-        key = self._aligned(tokens)
+        key = pack_tokens(tokens)
+        key = key[: len(key) // self._page_bytes * self._page_bytes]  # whole pages only
         node, num_tokens, pages = self._walk(key, self._clock(), hit=True)
         return MatchResult(pages=pages, num_tokens=num_tokens, node=node)
+
+    def peek_prefix(self, tokens: Sequence[int], start: TreeNode | None = None) -> PeekResult:
+        """Like ``match_prefix`` but read-only: no split, no touch, no page list.
+
+        ``start`` (default the root) resumes a walk at a node known to be on the tokens'
+        path (an attached node whose ``prefix_len`` tokens are a prefix of ``tokens``),
+        e.g. the ``node`` of an earlier peek, which stays valid across splits. O(nodes
+        on the path) Python steps plus one memcmp per node.
+        """
+        key = pack_tokens(tokens)
+        key = key[: len(key) // self._page_bytes * self._page_bytes]  # whole pages only
+        node = self._root if start is None else start
+        pos = node.prefix_len * TOKEN_BYTES
+        while pos < len(key):
+            first = self._first_page(key, pos)
+            child = node.children.get(first)
+            if child is None:
+                return PeekResult(node, pos // TOKEN_BYTES, first)
+            matched = self._common_len(child.packed, key, pos)
+            if matched < len(child.packed):
+                return PeekResult(node, (pos + matched) // TOKEN_BYTES, first)
+            node, pos = child, pos + matched
+        return PeekResult(node, pos // TOKEN_BYTES, None)
+
+    def is_attached(self, node: TreeNode) -> bool:
+        """True for the root and for nodes not evicted or dropped by ``reset``."""
+        return node is self._root or node.parent is not None
 
     # ---------------------------------------------------------------- mutations
 
@@ -178,13 +279,13 @@ class RadixTree:
         Raises ValueError if ``len(tokens)`` is not a multiple of ``page_size`` or
         ``len(pages) != len(tokens) // page_size``. An empty key returns the root.
         """
-        key = tuple(tokens)
-        self._check_insert_args(key, pages)
+        self._check_insert_args(len(tokens), pages)
+        key = pack_tokens(tokens)
         now = self._clock()
         node, num_existing, kept = self._walk(key, now, hit=False)
         new_pages = list(pages[num_existing // self.page_size :])
         if new_pages:
-            node = self._add_leaf(node, key[num_existing:], new_pages, now)
+            node = self._add_leaf(node, key[num_existing * TOKEN_BYTES :], new_pages, now)
         return InsertResult(num_existing_tokens=num_existing, pages=kept + new_pages, node=node)
 
     def inc_lock(self, node: TreeNode) -> None:
@@ -244,6 +345,8 @@ class RadixTree:
             pages.extend(node.pages)
             node.parent = None
         self._init_state()
+        if self.listener is not None:
+            self.listener.reset()
         return pages
 
     def check_invariants(self) -> None:
@@ -254,52 +357,57 @@ class RadixTree:
 
     # ---------------------------------------------------------- tree internals
 
-    def _aligned(self, tokens: Sequence[int]) -> Key:
-        usable = len(tokens) // self.page_size * self.page_size
-        return tuple(tokens[:usable])
+    def _check_insert_args(self, num_tokens: int, pages: Sequence[int]) -> None:
+        if num_tokens % self.page_size:
+            raise ValueError(f"len(tokens)={num_tokens} is not a multiple of {self.page_size}")
+        if len(pages) != num_tokens // self.page_size:
+            raise ValueError(f"need {num_tokens // self.page_size} pages, got {len(pages)}")
 
-    def _check_insert_args(self, key: Key, pages: Sequence[int]) -> None:
-        if len(key) % self.page_size:
-            raise ValueError(f"len(tokens)={len(key)} is not a multiple of {self.page_size}")
-        if len(pages) != len(key) // self.page_size:
-            raise ValueError(f"need {len(key) // self.page_size} pages, got {len(pages)}")
-
-    def _walk(self, key: Key, now: float, hit: bool) -> tuple[TreeNode, int, list[int]]:
-        """Descend while whole pages match; split the last node if the match ends inside.
-
-        Returns (deepest matched node, matched token count, matched pages).
-        """
-        node, pos, pages = self._root, 0, []
+    def _walk(self, key: bytes, now: float, hit: bool) -> tuple[TreeNode, int, list[int]]:
+        """Descend while whole pages of the packed ``key`` match; split the last node if
+        the match ends inside it. Returns (deepest matched node, matched token count,
+        matched pages)."""
+        node, pos, pages = self._root, 0, []  # pos: bytes of ``key`` matched
+        first_page = self._first_page
         while pos < len(key):
-            child = node.children.get(key[pos : pos + self.page_size])
+            child = node.children.get(first_page(key, pos))
             if child is None:
                 break
-            matched = self._common_len(child.key, key, pos)
-            if matched < len(child.key):
-                child = self._split(child, matched)
+            matched = self._common_len(child.packed, key, pos)
+            if matched < len(child.packed):
+                child = self._split(child, matched // TOKEN_BYTES)
             self._touch(child, now, hit)
             pages.extend(child.pages)
             node, pos = child, pos + matched
-        return node, pos, pages
+        return node, pos // TOKEN_BYTES, pages
 
-    def _common_len(self, node_key: Key, key: Key, start: int) -> int:
-        """Tokens (a multiple of S) on which ``node_key`` and ``key[start:]`` agree.
+    def _common_len(self, node_key: bytes, key: bytes, start: int) -> int:
+        """Bytes (whole pages) on which ``node_key`` and ``key[start:]`` agree.
 
-        The first page is known to agree (it is the child's dict key).
+        The first page is known to agree (it is the child's dict key). One memcmp
+        settles the common case, a full match; otherwise a binary search over whole
+        pages finds the first differing page with O(log(pages)) memcmps.
         """
-        size = self.page_size
+        page = self._page_bytes
         limit = min(len(node_key), len(key) - start)
-        n = size
-        while n < limit and node_key[n : n + size] == key[start + n : start + n + size]:
-            n += size
-        return n
+        if key.startswith(node_key[:limit] if limit < len(node_key) else node_key, start):
+            return limit
+        lo, hi = 1, limit // page - 1  # first lo pages agree; the first hi + 1 do not all agree
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key.startswith(node_key[lo * page : mid * page], start + lo * page):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * page
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut ``node`` after ``at`` tokens; return the new upper node (see diagram)."""
         size, parent = self.page_size, node.parent
-        assert parent is not None and 0 < at < len(node.key) and at % size == 0
+        cut = at * TOKEN_BYTES
+        assert parent is not None and 0 < cut < len(node.packed) and at % size == 0
         upper = TreeNode(
-            key=node.key[:at],
+            packed=node.packed[:cut],
             pages=node.pages[: at // size],
             parent=parent,
             lock_ref=node.lock_ref,
@@ -307,16 +415,20 @@ class RadixTree:
             hit_count=node.hit_count,
             prefix_len=parent.prefix_len + at,
         )
-        parent.children[upper.key[:size]] = upper
-        node.key, node.pages, node.parent = node.key[at:], node.pages[at // size :], upper
-        upper.children[node.key[:size]] = node
+        parent.children[self._first_page(upper.packed)] = upper
+        node.packed, node.pages, node.parent = node.packed[cut:], node.pages[at // size :], upper
+        upper.children[self._first_page(node.packed)] = node
         self._num_nodes += 1
+        if self.listener is not None:
+            self.listener.edge_changed(parent, self._first_page(upper.packed))
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: Key, pages: list[int], now: float) -> TreeNode:
-        end = parent.prefix_len + len(key)
-        leaf = TreeNode(key=key, pages=pages, parent=parent, last_access=now, prefix_len=end)
-        parent.children[key[: self.page_size]] = leaf
+    def _add_leaf(self, parent: TreeNode, key: bytes, pages: list[int], now: float) -> TreeNode:
+        end = parent.prefix_len + len(key) // TOKEN_BYTES
+        leaf = TreeNode(packed=key, pages=pages, parent=parent, last_access=now, prefix_len=end)
+        parent.children[self._first_page(key)] = leaf
+        if self.listener is not None:
+            self.listener.edge_changed(parent, self._first_page(key))
         self._num_nodes += 1
         self._cached += len(pages)
         self._push_if_candidate(leaf)
@@ -325,7 +437,11 @@ class RadixTree:
     def _remove_leaf(self, leaf: TreeNode) -> list[int]:
         parent = leaf.parent
         assert parent is not None
-        del parent.children[leaf.key[: self.page_size]]
+        first = self._first_page(leaf.packed)
+        if self.listener is not None:
+            self.listener.node_removed(leaf)
+            self.listener.edge_changed(parent, first)
+        del parent.children[first]
         leaf.parent = None
         self._num_nodes -= 1
         self._cached -= leaf.num_pages

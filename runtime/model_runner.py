@@ -113,12 +113,20 @@ class ModelRunner:
         cfg, args = self.config, self.args
         per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, self.dtype)
         tokens = args.max_total_tokens
+        source = "--max-total-tokens"
         if tokens is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * args.mem_fraction_static - (total - free)
             tokens = int(budget // per_token)
+            logger.info("KV pool sizing: --mem-fraction-static %.2f x %.2f GiB device memory - %.2f GiB "
+                        "in use (weights, CUDA context) = %.2f GiB for KV / %d bytes per token = %d tokens",
+                        args.mem_fraction_static, total / 2**30, (total - free) / 2**30, budget / 2**30,
+                        per_token, max(tokens, 0))
+            source = "--mem-fraction-static"
         if tokens is None:
             tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
+            source = "the CPU default (set --max-total-tokens)"
+        logger.info("KV pool capacity from %s: %d tokens x %d bytes per token", source, tokens, per_token)
         pages = tokens // self.page_size
         if pages < 1:
             raise RuntimeError(f"no memory left for the KV cache ({per_token} bytes per token)")

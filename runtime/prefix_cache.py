@@ -40,7 +40,7 @@ class PrefixCache:
         assert not req.pages and req.tree_node is None, "request already holds KV"
         if self.tree is None or max_tokens < self.page_size:
             return 0
-        match = self.tree.match_prefix(req.all_ids[:max_tokens])
+        match = self.tree.match_prefix(req.token_array(max_tokens))
         if match.num_tokens == 0:
             return 0
         self.tree.inc_lock(match.node)
@@ -89,8 +89,7 @@ class PrefixCache:
         num_pages = min(min(req.num_computed, req.num_known) // self.page_size, len(req.pages))
         if num_pages <= req.num_tree_pages:
             return
-        tokens = req.all_ids[: num_pages * self.page_size]
-        result = self.tree.insert(tokens, req.pages[:num_pages])
+        result = self.tree.insert(req.token_array(num_pages * self.page_size), req.pages[:num_pages])
         dup = [mine for mine, kept in zip(req.pages, result.pages, strict=False) if mine != kept]
         req.pages[:num_pages] = result.pages
         self.tree.inc_lock(result.node)
@@ -127,6 +126,18 @@ class PrefixCache:
     @property
     def used_pages(self) -> int:
         return self.allocator.capacity - self.allocator.num_free
+
+    def waste_tokens(self, reqs: list[Req]) -> int:
+        """KV slots allocated to ``reqs`` that hold no computed token: per request its
+        page table's slots minus ``num_computed`` (the partial last page plus pages
+        grown ahead of the computation). Tree pages are full and computed, so shared
+        pages add nothing and nothing is counted twice.
+
+            req.pages:  [ p0 | p1 | p2 ... ]   len(req.pages) * page_size slots
+            computed:   [ ############.... ]   num_computed
+                                      ^^^^ waste
+        """
+        return sum(len(req.pages) * self.page_size - req.num_computed for req in reqs)
 
     def check_invariants(self, live: list[Req]) -> None:
         """free + cached + owned-by-requests == capacity; no page both free and

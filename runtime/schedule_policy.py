@@ -4,8 +4,10 @@ One rule covers prefill, chunked prefill, prefix hits and decode (token-budget
 scheduling): every request advances its computed-token count toward ``seq_len``, under a
 per-step budget of ``max_prefill_tokens`` tokens and ``chunked_prefill_size`` tokens per
 request. Running requests go first (oldest first; a decoding request needs 1 token),
-then waiting requests are admitted first-come-first-served while budget, request slots
-and pages last.
+then waiting requests are admitted in the order of the schedule policy
+(runtime/waiting_order.py: ``fcfs``, ``lpm``, ``dfs-weight``, with a starvation guard)
+while budget, request slots and pages last; admission stops at the first request that
+must wait for pages.
 
 Out of pages: unlocked radix leaves are evicted first (inside PrefixCache.alloc); if that
 is not enough a running request chosen by the preemption policy (runtime/preemption.py:
@@ -28,12 +30,16 @@ ScheduleDecision that the model runner executes, so it is testable without a mod
 from __future__ import annotations
 
 import bisect
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from radixlm.runtime.preemption import OutputLengthEstimator, choose_victim
 from radixlm.runtime.prefix_cache import PrefixCache
 from radixlm.runtime.request import Req
+from radixlm.runtime.waiting_order import WaitingOrder
 
 __all__ = ["PREEMPTION_MODES", "BatchPlanner", "ScheduleDecision", "ScheduleItem", "SwapIn"]
 
@@ -95,6 +101,10 @@ class BatchPlanner:
         swap_capacity_tokens: int = 0,
         swap_is_cheaper: Callable[[int], bool] | None = None,
         context_length: int | None = None,
+        schedule_policy: str = "fcfs",
+        schedule_max_wait_s: float = float("inf"),
+        schedule_max_passes: int = 1 << 62,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cache = cache
         self.page_size = cache.page_size
@@ -121,19 +131,33 @@ class BatchPlanner:
         self.swap_is_cheaper = swap_is_cheaper
         self.swapped_tokens = 0  # host tokens held by swapped-out requests (page-rounded)
         self.num_swapped_out = 0
+        self._running_reserve: int | None = None  # see _decode_reserve
+        tree = cache.tree if enable_prefix_reuse else None
+        self.order = WaitingOrder(schedule_policy, tree, self._match_limit, schedule_max_wait_s,
+                                  schedule_max_passes, clock)
 
     # ----------------------------------------------------------------- queues
     def add(self, req: Req) -> None:
-        keys = [r.arrival for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, req.arrival), req)
+        bisect.insort_right(self.waiting, req, key=_arrival)
+        self.order.add(req)
+
+    def _take_waiting(self, req: Req) -> bool:
+        """Remove ``req`` from ``waiting`` if it is there (a binary search on arrival)."""
+        i = bisect.bisect_left(self.waiting, req.arrival, key=_arrival)
+        while i < len(self.waiting) and self.waiting[i].arrival == req.arrival:
+            if self.waiting[i] is req:
+                del self.waiting[i]
+                self.order.remove(req)
+                return True
+            i += 1
+        return False
 
     def remove(self, req: Req) -> None:
         """Take a request out of the queues (abort / finish); its KV is released. A
         normal finish (stop or length, no error) feeds the output-length estimator."""
         if req.finish_reason in ("stop", "length") and req.error is None:
             self.estimator.observe(len(req.output_ids))
-        if req in self.waiting:
-            self.waiting.remove(req)
+        self._take_waiting(req)
         if req in self.running:
             self.running.remove(req)
         if req.pages or req.tree_node is not None:
@@ -251,33 +275,47 @@ class BatchPlanner:
         return True
 
     def _admit_waiting(self, decision: ScheduleDecision, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
-            req = self.waiting[0]
-            if req.num_inflight:  # preempted with a token in flight: wait until it is read
-                break
-            verdict = self._admit(req)
-            if verdict == "reject":
-                self.waiting.pop(0)
-                decision.out_of_memory.append(req)
-                continue
-            if verdict == "wait":
-                break
-            if req.swap_tokens and not self._swap_in(req, decision):
-                self.cache.release(req, keep_in_cache=False)
-                break
-            n = self._chunk(req, budget)
-            if not self.cache.grow(req, req.num_computed + n):
-                if decision.swap_in and decision.swap_in[-1].req is req:  # undo the swap-in
-                    decision.swap_in.pop()
-                    req.swap_tokens = req.num_computed
-                    self.swapped_tokens += self._pages(req.swap_tokens) * self.page_size
-                self.cache.release(req, keep_in_cache=False)
-                break
-            self.waiting.pop(0)
-            self.running.append(req)
-            self.running.sort(key=lambda r: r.arrival)
-            self._schedule(decision, req, n)
-            budget -= n
+        self._running_reserve = None  # the running requests' decode reserve, summed lazily
+        with contextlib.closing(self.order.candidates(self.waiting, self.running)) as candidates:
+            for req in candidates:
+                if budget <= 0 or len(self.running) >= self.max_running_requests:
+                    break
+                if req.num_inflight or self.order.should_defer(req):
+                    continue  # num_inflight: preempted with a token in flight, not read yet
+                admitted = self._admit_one(decision, req, budget)
+                if admitted is None:
+                    break
+                budget -= admitted
+
+    def _admit_one(self, decision: ScheduleDecision, req: Req, budget: int) -> int | None:
+        """Admit ``req`` and schedule its first chunk: the tokens scheduled (0 if it was
+        rejected: it can never fit), or None if it must wait for pages."""
+        verdict = self._admit(req)
+        if verdict == "reject":
+            self._take_waiting(req)
+            decision.out_of_memory.append(req)
+            return 0
+        if verdict == "wait":
+            return None
+        if req.swap_tokens and not self._swap_in(req, decision):
+            self.cache.release(req, keep_in_cache=False)
+            return None
+        n = self._chunk(req, budget)
+        if not self.cache.grow(req, req.num_computed + n):
+            if decision.swap_in and decision.swap_in[-1].req is req:  # undo the swap-in
+                decision.swap_in.pop()
+                req.swap_tokens = req.num_computed
+                self.swapped_tokens += self._pages(req.swap_tokens) * self.page_size
+            self.cache.release(req, keep_in_cache=False)
+            return None
+        self.order.admitted(req)
+        self._take_waiting(req)
+        if self._running_reserve is not None:
+            self._running_reserve += self._reserve_extra(req, 1)
+        self.running.append(req)
+        self.running.sort(key=_arrival)
+        self._schedule(decision, req, n)
+        return n
 
     def _admit(self, req: Req) -> str:
         """Match the prefix and decide: "admit" if the pool can hold the request's whole
@@ -300,17 +338,20 @@ class BatchPlanner:
     def _decode_reserve(self, candidate: Req) -> int:
         """Pages to keep free for decode: for each running request (at least one page
         each) and for ``candidate``, the pages that ``reserve_ratio`` x its expected
-        remaining output tokens would add beyond the pages it holds or is about to get."""
+        remaining output tokens would add beyond the pages it holds or is about to get.
+        The running requests' part is summed once per plan (``_running_reserve``) and
+        grown as requests are admitted: O(running + admitted), not their product."""
+        if self._running_reserve is None:
+            self._running_reserve = sum(self._reserve_extra(r, 1) for r in self.running)
+        return self._running_reserve + self._reserve_extra(candidate, 0)
+
+    def _reserve_extra(self, req: Req, min_pages: int) -> int:
         ratio = self.reserve_ratio
-
-        def extra(req: Req, min_pages: int) -> int:
-            if ratio <= 0:
-                return min_pages
-            tokens = req.seq_len + ratio * self.estimator.expected_remaining(req)
-            held = max(len(req.pages), -(-req.seq_len // self.page_size))
-            return max(-(-int(tokens) // self.page_size) - held, min_pages)
-
-        return sum(extra(r, 1) for r in self.running) + extra(candidate, 0)
+        if ratio <= 0:
+            return min_pages
+        tokens = req.seq_len + ratio * self.estimator.expected_remaining(req)
+        held = max(len(req.pages), -(-req.seq_len // self.page_size))
+        return max(-(-int(tokens) // self.page_size) - held, min_pages)
 
     def _match_limit(self, req: Req) -> int:
         """Tokens that may come from the cache: never the last one (its logits are
@@ -319,3 +360,6 @@ class BatchPlanner:
         if req.wants_prompt_logprobs:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
         return limit
+
+
+_arrival = attrgetter("arrival")

@@ -63,6 +63,9 @@ class Scheduler:
             swap_capacity_tokens=int(args.swap_space_gb * 2**30) // runner.pool.bytes_per_token,
             swap_is_cheaper=runner.swap_cost_model().swap_is_cheaper,
             context_length=runner.context_length,
+            schedule_policy=args.schedule_policy,
+            schedule_max_wait_s=args.schedule_max_wait_s,
+            schedule_max_passes=args.schedule_max_passes,
         )
         self.overlap = not args.disable_overlap_schedule
         self.inflight: PendingStep | None = None  # launched, results not read yet
@@ -324,6 +327,8 @@ class Scheduler:
             forward_steps=self.counters["steps"],
             decode_steps=self.counters["decode_steps"],
             scheduler_busy_seconds=self.counters["busy_s"],
+            kv_waste_tokens=self.cache.waste_tokens(self.planner.running),
+            page_size=self.args.page_size,
         )
 
     def check_invariants(self) -> None:

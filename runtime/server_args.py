@@ -25,6 +25,7 @@ from typing import Any, get_type_hints
 from radixlm.radix import EVICTION_POLICIES
 from radixlm.runtime.preemption import PREEMPTION_POLICIES
 from radixlm.runtime.schedule_policy import PREEMPTION_MODES
+from radixlm.runtime.waiting_order import SCHEDULE_POLICIES
 
 __all__ = ["ServerArgs"]
 
@@ -132,6 +133,24 @@ class ServerArgs:
     decode_reserve_min_ratio: float = _opt(
         0.25, "The decode reserve ratio decays to this value over 500 steps without preemption."
     )
+    schedule_policy: str = _opt(
+        "lpm",
+        "Order in which waiting requests are admitted (runtime/waiting_order.py): 'fcfs' "
+        "(arrival), 'lpm' (longest cached prefix first), 'dfs-weight' (depth-first over the "
+        "radix tree, the branch with the most waiting requests first). Requires the radix "
+        "cache; see BENCHMARKS.md for the comparison.",
+        SCHEDULE_POLICIES,
+    )
+    schedule_max_wait_s: float = _opt(
+        30.0,
+        "Starvation guard of --schedule-policy: the oldest waiting request is admitted next "
+        "once it has waited this many seconds.",
+    )
+    schedule_max_passes: int = _opt(
+        256,
+        "Starvation guard of --schedule-policy: the oldest waiting request is admitted next "
+        "once this many other requests were admitted while it was the oldest.",
+    )
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
     radix_eviction_policy: str = _opt(
         "lru",
@@ -215,6 +234,10 @@ class ServerArgs:
             raise ValueError("--max-prefill-tokens must be >= --max-running-requests")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.schedule_max_wait_s < 0:
+            raise ValueError("--schedule-max-wait-s must be >= 0")
+        if self.schedule_max_passes < 0:
+            raise ValueError("--schedule-max-passes must be >= 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
         if self.max_request_body_bytes < 1:

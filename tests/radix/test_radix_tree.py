@@ -264,3 +264,55 @@ def test_page_size_sixteen() -> None:
     assert tree.insert(diverged, [1, 9]).pages == [7, 9]
     assert tree.evict(1) == [8]
     tree.check_invariants()
+
+
+# ---------------------------------------------------------------- packed keys (speed path)
+
+
+@pytest.mark.parametrize("first_diff_page", range(1, 9))
+def test_match_stops_at_the_first_differing_page(first_diff_page: int) -> None:
+    """The binary search over pages (one long node, mismatch anywhere inside it, even
+    at a single token in the middle of a page) splits exactly before that page."""
+    size = 4
+    tree, _ = make_tree(page_size=size)
+    key = list(range(100, 100 + 9 * size))
+    tree.insert(key, list(range(1, 10)))
+    probe = list(key)
+    probe[first_diff_page * size + 2] = 7  # third token of the differing page
+    result = tree.match_prefix(probe)
+    assert result.num_tokens == first_diff_page * size
+    assert result.pages == list(range(1, first_diff_page + 1))
+    assert result.node.key == tuple(key[: first_diff_page * size])
+    tree.check_invariants()
+
+
+def test_array_input_matches_list_input() -> None:
+    """An ``array("I")`` (the scheduler's packed tokens) behaves exactly like a list."""
+    from array import array
+
+    tree, _ = make_tree(page_size=2)
+    tree.insert(array("I", [1, 2, 3, 4, 5, 6]), [10, 11, 12])
+    result = tree.insert([1, 2, 3, 4, 7, 8], [20, 21, 22])
+    assert (result.num_existing_tokens, result.pages) == (4, [10, 11, 22])
+    by_array = tree.match_prefix(array("I", [1, 2, 7, 7, 9]))
+    by_list = tree.match_prefix([1, 2, 7, 7, 9])
+    assert (by_array.pages, by_array.num_tokens) == (by_list.pages, by_list.num_tokens) == ([10], 2)
+    assert [c.key for c in tree.root.children.values()] == [(1, 2)]  # the match split it
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [[1, -1], [1, 2**32], [1, 2.5]])
+def test_token_ids_outside_uint32_are_rejected(bad: list) -> None:
+    tree, _ = make_tree(page_size=2)
+    with pytest.raises(ValueError, match="token ids"):
+        tree.insert(bad, [1])
+    with pytest.raises(ValueError, match="token ids"):
+        tree.match_prefix(bad)
+    assert tree.cached_pages == 0
+
+
+def test_large_token_ids_round_trip() -> None:
+    tree, _ = make_tree(page_size=2)
+    tree.insert([2**32 - 1, 0, 151_000, 5], [1, 2])
+    assert tree.match_prefix([2**32 - 1, 0, 151_000, 5]).pages == [1, 2]
+    assert tree.root.children[(2**32 - 1, 0)].key == (2**32 - 1, 0, 151_000, 5)

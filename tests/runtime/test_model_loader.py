@@ -192,3 +192,32 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 def test_unknown_dtype(tiny_hf_model: Callable) -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model(tiny_hf_model()[0], "float8", "cpu", "torch")
+
+
+def test_kv_pool_sizing_is_logged(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The start-up log says where the KV capacity comes from, in tokens and bytes."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from radixlm.runtime.model_runner import ModelRunner
+    from radixlm.runtime.server_args import ServerArgs
+
+    cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2)
+    runner = SimpleNamespace(config=cfg, head_dim=8, dtype=torch.float32, page_size=16,
+                             device=torch.device("cuda"), args=ServerArgs(mem_fraction_static=0.5))
+    per_token = 2 * 2 * 2 * 8 * 4  # K and V x layers x kv heads x head dim x fp32 bytes
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * 2**30, 8 * 2**30))
+    with caplog.at_level(logging.INFO, logger="radixlm.model_runner"):
+        pages = ModelRunner._size_pool(runner)
+    tokens = int((8 * 2**30 * 0.5 - 2 * 2**30) // per_token)
+    assert pages == tokens // 16 + 1
+    assert "--mem-fraction-static 0.50 x 8.00 GiB device memory - 2.00 GiB in use" in caplog.text
+    assert f"= {tokens} tokens" in caplog.text
+    assert f"KV pool capacity from --mem-fraction-static: {tokens} tokens x {per_token} bytes" in caplog.text
+    caplog.clear()
+    runner.args = ServerArgs(max_total_tokens=4096)
+    with caplog.at_level(logging.INFO, logger="radixlm.model_runner"):
+        assert ModelRunner._size_pool(runner) == 4096 // 16 + 1
+    assert f"KV pool capacity from --max-total-tokens: 4096 tokens x {per_token} bytes" in caplog.text

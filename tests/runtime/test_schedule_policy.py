@@ -416,3 +416,202 @@ def test_auto_mode_asks_the_cost_model_and_respects_swap_space():
     p2.preemption_mode, p2.swap_capacity_tokens = "swap", 4  # 2 pages do not fit in 4 tokens
     reqs2["c"].last_scheduled_step = p2.step - 1
     assert p2.plan().swap_out == [] and reqs2["c"].swap_tokens == 0
+
+
+def test_token_array_tracks_prompt_and_output():
+    """Req.token_array: all_ids[:end] packed, extended as output tokens arrive."""
+    req = make_req("a", [5, 6, 7])
+    assert req.token_array(2).tolist() == [5, 6]
+    req.output_ids += [8, 9]
+    assert req.token_array(5).tolist() == [5, 6, 7, 8, 9]
+    assert req.token_array(4).tolist() == req.all_ids[:4]
+    req.output_ids.append(10)
+    assert req.token_array(99).tolist() == req.all_ids
+
+
+# ------------------------------------------------------------ schedule policies (issue 4)
+
+
+def _warm(p: BatchPlanner, *prefixes: list[int]) -> None:
+    """Cache each prefix in the tree (as a finished request would have left it)."""
+    for prefix in prefixes:
+        pages = p.cache.alloc(len(prefix) // PAGE)
+        p.cache.tree.insert(prefix, pages)
+
+
+SYS = list(range(1000, 1008))  # 2 cached pages
+
+
+def _q(base: int, n: int = 5) -> list[int]:
+    return list(range(base, base + n))
+
+
+def _policy_queue(policy: str, **kw) -> tuple[BatchPlanner, dict[str, Req]]:
+    """x1 matches nothing; g1a, g1b extend the cached SYS (8 tokens) with different
+    questions; g2a..g2c share an uncached 8-token prefix P2 (3 waiting requests)."""
+    p = make_planner(num_pages=64, max_running=8, schedule_policy=policy, **kw)
+    _warm(p, SYS)
+    p2 = list(range(2000, 2008))
+    prompts = {"x1": _q(3000, 9), "g2a": p2 + _q(10), "g1a": SYS + _q(20), "g2b": p2 + _q(30),
+               "g1b": SYS + _q(40), "g2c": p2 + _q(50)}
+    reqs = {rid: make_req(rid, prompt) for rid, prompt in prompts.items()}
+    for req in reqs.values():
+        p.add(req)
+    p.order.check_invariants(p.waiting)
+    return p, reqs
+
+
+def _order(p: BatchPlanner) -> list[str]:
+    return [r.rid for r in p.order.candidates(p.waiting, p.running)]
+
+
+@pytest.mark.parametrize(("policy", "expected"), [
+    ("fcfs", ["x1", "g2a", "g1a", "g2b", "g1b", "g2c"]),
+    ("lpm", ["g1a", "g1b", "x1", "g2a", "g2b", "g2c"]),  # 8 cached tokens first, then arrival
+    ("dfs-weight", ["g2a", "g2b", "g2c", "g1a", "g1b", "x1"]),  # branch weights 3, 2, 1
+])
+def test_policy_admission_order(policy, expected):
+    p, _ = _policy_queue(policy)
+    assert _order(p) == expected
+
+
+def test_dfs_weight_visits_deeper_branches_first():
+    """Under SYS: branch Q (cached deeper, 2 waiting below it) before the single request
+    hanging at SYS with an uncached question; the whole SYS branch (3) before P (1)."""
+    p = make_planner(num_pages=64, schedule_policy="dfs-weight")
+    q = SYS + _q(20, 4)
+    _warm(p, SYS, q)
+    reqs = [make_req("p", _q(500, 9)), make_req("s", SYS + _q(60)), make_req("q1", q + _q(70)),
+            make_req("q2", q + _q(80))]
+    for r in reqs:
+        p.add(r)
+    assert _order(p) == ["q1", "q2", "s", "p"]
+
+
+def test_lpm_admission_defers_a_second_request_computing_the_same_page():
+    """One plan admits g1a, g1b (distinct uncached pages under SYS), x1 and g2a but not
+    g2b, g2c: they would compute P2 again. After g2a's prompt is cached they match it."""
+    p, reqs = _policy_queue("lpm")
+    assert [rid for rid, _, _ in run_step(p)] == ["g1a", "g1b", "x1", "g2a"]
+    assert [r.rid for r in p.waiting] == ["g2b", "g2c"]
+    assert run_step(p) == [("x1", 9, 1), ("g2a", 13, 1), ("g1a", 13, 1), ("g1b", 13, 1),
+                           ("g2b", 8, 5), ("g2c", 8, 5)]
+    assert reqs["g2b"].cached_tokens == reqs["g2c"].cached_tokens == 8
+    p.order.check_invariants(p.waiting)
+
+
+def test_match_lengths_follow_inserts_and_evictions():
+    """The index is updated from the tree's listener: a request's match grows when its
+    prefix is inserted and shrinks when it is evicted; the lpm order follows."""
+    p = make_planner(num_pages=64, schedule_policy="lpm")
+    a, b = make_req("a", _q(100, 9)), make_req("b", _q(200, 13))
+    p.add(a)
+    p.add(b)
+    assert _order(p) == ["a", "b"]
+    _warm(p, _q(200, 12))  # b's first 3 pages
+    assert _order(p) == ["b", "a"]
+    p.order.check_invariants(p.waiting)
+    p.cache.tree.evict(3)
+    assert _order(p) == ["a", "b"]
+    p.order.check_invariants(p.waiting)
+
+
+def test_starvation_guard_after_max_passes():
+    """lpm keeps admitting cached-prefix requests ahead of x (no match); after 2 were
+    admitted while x was the oldest, x goes first. One running slot: one admission per plan."""
+    p = make_planner(num_pages=64, max_running=1, schedule_policy="lpm", schedule_max_passes=2)
+    _warm(p, SYS)
+    x = make_req("x", _q(3000, 9), max_new=1)
+    p.add(x)
+    admitted = []
+    for i in range(4):
+        p.add(make_req(f"s{i}", SYS + _q(100 * i + 10), max_new=1))
+    for _ in range(4):
+        items = run_step(p)
+        admitted.append(items[0][0])
+        for r in list(p.running):
+            r.finish("length")
+            finish(p, r)
+    assert admitted == ["s0", "s1", "x", "s2"]
+    assert p.order.num_promoted == 1
+
+
+def test_starvation_guard_after_max_wait():
+    now = [100.0]
+    p = make_planner(num_pages=64, max_running=1, schedule_policy="lpm", schedule_max_wait_s=5.0,
+                     clock=lambda: now[0])
+    _warm(p, SYS)
+    x = Req(rid="x", prompt_ids=_q(3000, 9), sampling=SamplingParams(max_new_tokens=1), arrival=98.0)
+    s = Req(rid="s", prompt_ids=SYS + _q(10), sampling=SamplingParams(max_new_tokens=1), arrival=99.0)
+    p.add(x)
+    p.add(s)
+    assert _order(p) == ["s", "x"]  # waited 2 s: lpm order
+    now[0] = 103.0
+    assert _order(p) == ["x", "s"]  # waited 5 s: the guard puts it first
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight"])
+def test_no_request_lost_under_pressure(policy):
+    """Shared-prefix requests arriving shuffled into a small pool (evictions and
+    preemptions): every request finishes exactly once and the index stays exact."""
+    import random
+
+    rng = random.Random(3)
+    p = make_planner(num_pages=24, max_running=4, budget=32, chunk=16, schedule_policy=policy,
+                     schedule_max_passes=6)
+    systems = [list(range(5000 + 100 * g, 5000 + 100 * g + 12)) for g in range(4)]
+    prompts = [systems[g] + _q(10_000 + 10 * i, rng.randrange(1, 9)) for i, g in
+               enumerate(rng.choices(range(4), k=30))]
+    reqs = [make_req(f"r{i}", prompt, max_new=rng.randrange(1, 6)) for i, prompt in enumerate(prompts)]
+    for r in reqs[:20]:
+        p.add(r)
+    done: list[str] = []
+    for step in range(600):
+        if step == 5:
+            for r in reqs[20:]:
+                p.add(r)
+        run_step(p)
+        p.order.check_invariants(p.waiting)
+        for r in list(p.running):
+            if len(r.output_ids) >= r.sampling.max_new_tokens:
+                r.finish("length")
+                finish(p, r)
+                done.append(r.rid)
+        if not p.running and not p.waiting and step > 5:
+            break
+    assert sorted(done) == sorted(r.rid for r in reqs)
+    assert p.cache.tree.protected_pages == 0
+
+
+def test_unknown_schedule_policy_is_rejected():
+    with pytest.raises(ValueError, match="schedule policy"):
+        make_planner(num_pages=8, schedule_policy="sjf")
+
+
+def test_without_radix_cache_every_policy_is_fcfs():
+    p = make_planner(num_pages=32, radix=False, schedule_policy="lpm")
+    a, b = make_req("a", _q(1, 9)), make_req("b", _q(50, 9))
+    p.add(a)
+    p.add(b)
+    assert p.order.policy == "fcfs" and _order(p) == ["a", "b"]
+
+
+# ------------------------------------------------------------ KV waste (issue 4)
+
+
+def test_kv_waste_is_partial_pages_of_running_requests():
+    """waste = page-table slots - computed tokens, summed over running requests; shared
+    tree pages are full, so a shared prefix adds nothing."""
+    p = make_planner(num_pages=32)
+    a = make_req("a", range(10))
+    p.add(a)
+    run_step(p)  # a: 10 computed in 3 pages (12 slots)
+    assert p.cache.waste_tokens(p.running) == 2
+    b = make_req("b", list(range(8)) + [50, 51, 52])  # shares a's first 2 pages
+    p.add(b)
+    run_step(p)  # a decodes (11 computed, 12 slots); b: 8 cached + 3 computed in 3 pages
+    assert (b.num_tree_pages, len(b.pages), b.num_computed) == (2, 3, 11)
+    assert p.cache.waste_tokens([a]) == 1 and p.cache.waste_tokens([b]) == 1
+    assert p.cache.waste_tokens(p.running) == 2
+    run_step(p)  # a: 12 computed, page full; b: 12 computed
+    assert p.cache.waste_tokens(p.running) == 0

@@ -206,6 +206,8 @@ def test_overlap_feeds_the_token_in_flight_and_stops_at_max_new_tokens():
         [("a", 1, 22)],
     ]
     assert s.cache.cached_pages == 1 and not s.has_work
+    stats = s.stats()
+    assert (stats.forward_steps, stats.decode_steps) == (4, 3) and stats.scheduler_busy_seconds > 0
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -247,3 +249,17 @@ def test_abort_of_a_request_in_flight_discards_its_results():
     outs = run(s)
     assert [o.rid for o in outs if o.finish_reason] == ["b"]
     assert s.violations == [] and not s.has_work
+
+
+def test_stats_report_kv_waste_and_prometheus_exports_it():
+    from radixlm.runtime.metrics import Metrics
+
+    s = make(StubRunner())
+    s.handle(gen("a", n_prompt=20, max_new_tokens=8))  # 20 tokens in 2 pages of 16
+    s._safe_step()
+    stats = s.stats()
+    assert (stats.kv_waste_tokens, stats.page_size) == (12, 16)  # 32 slots, 20 computed
+    text = Metrics("m").render(stats)[0].decode()
+    assert 'radixlm:kv_cache_waste_tokens{model_name="m"} 12.0' in text
+    used = stats.kv_used_pages * 16
+    assert f'radixlm:kv_cache_waste_ratio{{model_name="m"}} {12 / used}' in text
