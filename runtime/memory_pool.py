@@ -189,26 +189,35 @@ class KVPool:
         index = torch.tensor(pages, dtype=torch.int64, device=self.device)
         shape = (self.num_layers, 2, len(pages), self.page_size, self.num_kv_heads, self.head_dim)
         host = torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        raw = _raw(host)  # FP8 pages move as their bytes (no index ops for float8 on CPU)
         for layer in range(self.num_layers):
-            host[layer, 0].copy_(self.k[layer].index_select(0, index), non_blocking=True)
-            host[layer, 1].copy_(self.v[layer].index_select(0, index), non_blocking=True)
+            raw[layer, 0].copy_(_raw(self.k[layer]).index_select(0, index), non_blocking=True)
+            raw[layer, 1].copy_(_raw(self.v[layer]).index_select(0, index), non_blocking=True)
         return host
 
     def write_pages(self, pages: list[int], host: torch.Tensor) -> None:
         """Inverse of ``read_pages``: ``host`` ``[layers, 2, len(pages), S, K, D]`` into
-        ``pages``. Raises ValueError on a shape mismatch."""
+        ``pages``. Raises ValueError on a shape or dtype mismatch."""
         expected = (self.num_layers, 2, len(pages), self.page_size, self.num_kv_heads, self.head_dim)
         if tuple(host.shape) != expected:
             raise ValueError(f"host KV shape {tuple(host.shape)} != {expected}")
         index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        if host.dtype != self.dtype:
+            raise ValueError(f"host KV dtype {host.dtype} != pool dtype {self.dtype}")
+        raw = _raw(host)
         for layer in range(self.num_layers):
-            self.k[layer].index_copy_(0, index, host[layer, 0].to(self.device, non_blocking=True))
-            self.v[layer].index_copy_(0, index, host[layer, 1].to(self.device, non_blocking=True))
+            _raw(self.k[layer]).index_copy_(0, index, raw[layer, 0].to(self.device, non_blocking=True))
+            _raw(self.v[layer]).index_copy_(0, index, raw[layer, 1].to(self.device, non_blocking=True))
 
     @property
     def total_bytes(self) -> int:
         """Pages (the dummy page included) plus metadata."""
         return self.bytes_per_token * self.num_pages * self.page_size + self.metadata_bytes
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of an FP8 tensor (same shape, uint8); float tensors unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _check_scales(name: str, scales: torch.Tensor | None, num_layers: int, num_kv_heads: int) -> None:
