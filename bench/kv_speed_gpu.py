@@ -139,7 +139,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.smoke else "cuda")
-    scale = 1 / 256 if args.smoke else 1  # --smoke: contexts and pool 256x smaller
+    scale = 1 / 1024 if args.smoke else 1  # --smoke: contexts and pool 1024x smaller
     gen = torch.Generator(device).manual_seed(0)
     torch.manual_seed(0)
     t0 = time.time()
