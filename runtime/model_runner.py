@@ -95,7 +95,7 @@ class ModelRunner:
         """FP8 KV scales [L, K] from --kv-scales-path or a calibration pass (None, None for
         float caches). Raises KVScalesError (the server does not start) when unusable."""
         args, cfg = self.args, self.config
-        if args.kv_cache_dtype not in ("fp8_e4m3", "mixed"):
+        if args.kv_cache_dtype != "fp8_e4m3":
             return None, None
         if args.kv_scales_path:
             scales = load_kv_scales(args.kv_scales_path, cfg.num_hidden_layers, cfg.num_key_value_heads)

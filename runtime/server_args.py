@@ -91,17 +91,14 @@ class ServerArgs:
         "auto",
         "KV-cache page format: 'auto' (the model dtype), 'bf16', 'fp16', 'fp8_e4m3' (half "
         "the bytes of bf16; per-layer, per-kv-head scales from --kv-scales-path or a "
-        "calibration pass at start-up), 'int4' (KIVI-style asymmetric 4-bit groups), 'mixed' "
-        "(recent pages fp8, older pages int4).",
+        "calibration pass at start-up).",
         KV_CACHE_DTYPES,
     )
     kv_scales_path: str | None = _opt(
         None,
         "JSON file of FP8 KV scales (written by `radixlm.runtime.kv_calibration`); without "
-        "it fp8_e4m3 / mixed calibrate on bundled text at start-up.",
-    )
-    kv_mixed_window_pages: int = _opt(
-        2, "--kv-cache-dtype mixed: most recent pages of a sequence kept in fp8 (the rest int4)."
+        "it fp8_e4m3 calibrates on bundled text at start-up (the server does not start "
+        "without usable scales).",
     )
     max_total_tokens: int | None = _opt(
         None, "KV pool capacity in tokens (overrides --mem-fraction-static)."
@@ -216,10 +213,8 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
-        if self.kv_scales_path is not None and self.kv_cache_dtype not in ("fp8_e4m3", "mixed"):
-            raise ValueError("--kv-scales-path only applies to --kv-cache-dtype fp8_e4m3 or mixed")
-        if self.kv_mixed_window_pages < 1:
-            raise ValueError("--kv-mixed-window-pages must be >= 1")
+        if self.kv_scales_path is not None and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError("--kv-scales-path only applies to --kv-cache-dtype fp8_e4m3")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page")
         if not 0.0 < self.mem_fraction_static < 1.0:

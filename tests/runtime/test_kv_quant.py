@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.kv_calibration import (
     KVScalesError,
     calibrate_kv_scales,
@@ -130,12 +129,11 @@ def test_scales_file_round_trip_and_errors(tmp_path: Path) -> None:
 
 def test_kv_cache_flags(capsys) -> None:
     args = ServerArgs.parse(["--kv-cache-dtype", "fp8_e4m3", "--kv-scales-path", "s.json"])
-    assert (args.kv_cache_dtype, args.kv_scales_path, args.kv_mixed_window_pages) == ("fp8_e4m3", "s.json", 2)
+    assert (args.kv_cache_dtype, args.kv_scales_path) == ("fp8_e4m3", "s.json")
     assert ServerArgs.parse([]).kv_cache_dtype == "auto"
     for argv, message in (
         (["--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
         (["--kv-scales-path", "s.json"], "--kv-scales-path only applies to --kv-cache-dtype fp8_e4m3"),
-        (["--kv-mixed-window-pages", "0"], "--kv-mixed-window-pages must be >= 1"),
     ):
         with pytest.raises(SystemExit):
             ServerArgs.parse(argv)
