@@ -37,6 +37,8 @@ import torch
 __all__ = [
     "FP8_E4M3_MAX",
     "dequantize_fp8",
+    "dequantize_int4",
+    "quantize_int4",
     "gather_kv",
     "paged_attention",
     "paged_decode_attention",
@@ -59,6 +61,34 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn [..., K, D] -> float32 ``x * scale[k]`` (``scale`` [K] float32)."""
     return x.float() * scale.float()[:, None]
+
+
+def quantize_int4(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantisation with statistics over ``dim`` (KIVI, Liu et al. 2024).
+
+    Keys: ``x`` a page [S, K, D] with ``dim=0`` (per channel within the page); values:
+    ``x`` [T, K, D // G, G] with ``dim=-1`` (per token, groups of G along D). For every
+    slice along ``dim``: zero = min, scale = (max - min) / 15, both rounded to fp16 first;
+    code = clamp(round((x - zero) / scale), 0, 15) (a constant slice gets scale 1, code 0).
+
+    Returns (packed, scale, zero): ``packed`` uint8 with the last dim halved, two codes
+    per byte (element 2i in the low nibble, 2i + 1 in the high one); ``scale`` and
+    ``zero`` fp16 with ``dim`` reduced to size 1. The last dim of ``x`` must be even.
+    """
+    x = x.float()
+    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    zero = lo.half()
+    scale = ((hi - lo) / 15).half()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((x - zero.float()) / scale.float()).clamp(0, 15).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, scale, zero
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_int4``: float32 ``code * scale + zero``, last dim doubled."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)  # [..., D]
+    return codes.float() * scale.float() + zero.float()
 
 
 def store_kv(
