@@ -166,6 +166,30 @@ def summarise(results: dict, base: str) -> dict:
     return summary
 
 
+def plot(report: dict, path: Path) -> None:
+    """Mean |delta logprob| vs the base dtype by position bucket, one line per dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    base = report["config"]["base"]
+    for name, row in report["teacher_forced"].items():
+        if name == base:
+            continue
+        buckets = row["mean_abs_dlogprob_by_position"]
+        label = f"{name}: ppl {row['ppl_vs_base']:+.2%}, greedy agree {row['greedy_agreement']:.1%}"
+        ax.plot(list(buckets), list(buckets.values()), marker="o", label=label)
+    ax.set_xlabel("position in the window (tokens)")
+    ax.set_ylabel(f"mean |logprob - logprob({base})|")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"KV cache quality, {report['teacher_forced'][base]['tokens']} tokens ({report['device']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
@@ -181,7 +205,11 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="JSON file (or a directory: kv_quality.json in it)")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the --out JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+        return
     out = Path(args.out)
     if out.is_dir() or not out.suffix:
         out = out / "kv_quality.json"
@@ -210,6 +238,7 @@ def main() -> None:
             print(f"{name}: ppl {math.exp(-float(lp.double().mean())):.4f} ({time.time() - t:.0f} s)", flush=True)
         report["teacher_forced"] = summarise(results, args.base)
         out.write_text(json.dumps(report, indent=2))
+        plot(report, out.with_suffix(".png"))
     if args.probe_trials > 0:
         prompts = probe_prompts(runner, args.probe_trials, args.probe_len, args.seed)
         probe = {}
