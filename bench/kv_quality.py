@@ -52,7 +52,10 @@ def sharegpt_ids(tokenizer, num_tokens: int, skip: int = SKIP_RECORDS) -> list[i
             continue
         turns = rec.get("conversations") or []
         msgs = [
-            {"role": "user" if t.get("from") == "human" else "assistant", "content": t.get("value", "")}
+            {
+                "role": "user" if t.get("from") == "human" else "assistant",
+                "content": t.get("value", ""),
+            }
             for t in turns
             if t.get("value")
         ]
@@ -78,7 +81,11 @@ class Runner:
         self.page_size = page_size
         self.num_pages = -(-max_tokens // page_size) + 1
         cfg = self.model.config
-        self.shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+        self.shape = (
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.hidden_size // cfg.num_attention_heads,
+        )
         ids = self.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"]
         self.scales = calibrate_kv_scales(self.model, ids, page_size, self.device, self.dtype)
 
@@ -89,11 +96,15 @@ class Runner:
                       kv_dtype, *scales)  # fmt: skip
 
     @torch.inference_mode()
-    def forward(self, pool: KVPool, tokens: list[int], start: int, logits_rows: list[int]) -> torch.Tensor:
+    def forward(
+        self, pool: KVPool, tokens: list[int], start: int, logits_rows: list[int]
+    ) -> torch.Tensor:
         """Feed ``tokens`` at positions start.. of one request (pages 1, 2, ...)."""
         end = start + len(tokens)
         pages = list(range(1, -(-end // self.page_size) + 1))
-        batch = ForwardBatch.build([tokens], [start], [pages], logits_rows, self.page_size, self.device)
+        batch = ForwardBatch.build(
+            [tokens], [start], [pages], logits_rows, self.page_size, self.device
+        )
         hidden = self.model.forward(batch, pool)
         return self.model.compute_logits(hidden)  # [N, V] float32
 
@@ -124,7 +135,9 @@ class Runner:
         return out
 
 
-def probe_prompts(runner: Runner, trials: int, length: int, seed: int) -> list[tuple[list[int], str, float]]:
+def probe_prompts(
+    runner: Runner, trials: int, length: int, seed: int
+) -> list[tuple[list[int], str, float]]:
     """(prompt ids, code, depth) per trial: filler ShareGPT text with the code sentence at
     a random depth, asked for at the end (chat template)."""
     rng = random.Random(seed)
@@ -135,13 +148,17 @@ def probe_prompts(runner: Runner, trials: int, length: int, seed: int) -> list[t
         code = f"{rng.randrange(10000, 100000)}"
         depth = rng.uniform(0.1, 0.9)
         needle = f" The secret code is {code}. Remember it: {code}. "
-        question = "What is the secret code mentioned in the text above? Answer with the number only."
+        question = (
+            "What is the secret code mentioned in the text above? Answer with the number only."
+        )
         budget = length - 80
         filler = tok.decode(filler_ids[t * length : t * length + budget])
         cut = int(len(filler) * depth)
         text = filler[:cut] + needle + filler[cut:]
         msgs = [{"role": "user", "content": text + "\n\n" + question}]
-        ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))["input_ids"]
+        ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))[
+            "input_ids"
+        ]
         out.append((ids, code, depth))
     return out
 
@@ -184,7 +201,9 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xlabel("position in the window (tokens)")
     ax.set_ylabel(f"mean |logprob - logprob({base})|")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"KV cache quality, {report['teacher_forced'][base]['tokens']} tokens ({report['device']})")
+    ax.set_title(
+        f"KV cache quality, {report['teacher_forced'][base]['tokens']} tokens ({report['device']})"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -204,7 +223,9 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True, help="JSON file (or a directory: kv_quality.json in it)")
+    ap.add_argument(
+        "--out", required=True, help="JSON file (or a directory: kv_quality.json in it)"
+    )
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the --out JSON")
     args = ap.parse_args()
     if args.plot_only:
@@ -218,24 +239,38 @@ def main() -> None:
     t0 = time.time()
     if args.device == "cpu":  # the CPU host is shared: more threads than free cores spin
         torch.set_num_threads(1)
-    runner = Runner(args.device, args.backend, args.page_size, max(args.window + 1, args.probe_len + 64))
-    report: dict = {"config": vars(args), "device": str(runner.device), "model_dtype": str(runner.dtype)}
+    runner = Runner(
+        args.device, args.backend, args.page_size, max(args.window + 1, args.probe_len + 64)
+    )
+    report: dict = {
+        "config": vars(args),
+        "device": str(runner.device),
+        "model_dtype": str(runner.dtype),
+    }
     if args.tokens > 0:
         ids = sharegpt_ids(runner.tokenizer, args.tokens + 1)
         results = {}
         for name in dict.fromkeys([args.base, *dtypes]):
             # Per-dtype raw results are kept beside the JSON, so dtypes can be run separately.
-            cache = out.parent / f"kv_quality_{runner.device.type}_{name}_{args.tokens}_{args.window}_{args.chunk}.pt"
+            cache = (
+                out.parent
+                / f"kv_quality_{runner.device.type}_{name}_{args.tokens}_{args.window}_{args.chunk}.pt"
+            )
             if cache.exists():
                 results[name] = torch.load(cache)
                 continue
             if name not in dtypes:
-                raise SystemExit(f"no cached {args.base} results ({cache}): add {args.base} to --dtypes")
+                raise SystemExit(
+                    f"no cached {args.base} results ({cache}): add {args.base} to --dtypes"
+                )
             t = time.time()
             lp, am, pos = runner.teacher_forced(runner.pool(name), ids, args.window, args.chunk)
             results[name] = {"lp": lp, "argmax": am, "pos": pos}
             torch.save(results[name], cache)
-            print(f"{name}: ppl {math.exp(-float(lp.double().mean())):.4f} ({time.time() - t:.0f} s)", flush=True)
+            print(
+                f"{name}: ppl {math.exp(-float(lp.double().mean())):.4f} ({time.time() - t:.0f} s)",
+                flush=True,
+            )
         report["teacher_forced"] = summarise(results, args.base)
         out.write_text(json.dumps(report, indent=2))
         plot(report, out.with_suffix(".png"))
@@ -245,11 +280,19 @@ def main() -> None:
         for name in (args.probe_dtypes or args.dtypes).split(","):
             trials = []
             for ids, code, depth in prompts:
-                answer = runner.tokenizer.decode(runner.greedy(runner.pool(name), ids, 10, args.chunk))
+                answer = runner.tokenizer.decode(
+                    runner.greedy(runner.pool(name), ids, 10, args.chunk)
+                )
                 trials.append({"depth": round(depth, 3), "len": len(ids), "code": code, "answer": answer,
                                "pass": code in answer})  # fmt: skip
-            probe[name] = {"accuracy": sum(t["pass"] for t in trials) / len(trials), "trials": trials}
-            print(f"probe {name}: {probe[name]['accuracy']:.2f} {[t['answer'] for t in trials]}", flush=True)
+            probe[name] = {
+                "accuracy": sum(t["pass"] for t in trials) / len(trials),
+                "trials": trials,
+            }
+            print(
+                f"probe {name}: {probe[name]['accuracy']:.2f} {[t['answer'] for t in trials]}",
+                flush=True,
+            )
         report["probe"] = probe
     report["seconds"] = round(time.time() - t0, 1)
     out.write_text(json.dumps(report, indent=2))

@@ -103,7 +103,9 @@ def save_kv_scales(path: str | Path, k_scales: torch.Tensor, v_scales: torch.Ten
     Path(path).write_text(json.dumps(doc))
 
 
-def load_kv_scales(path: str | Path, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def load_kv_scales(
+    path: str | Path, num_layers: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read (k_scales, v_scales) [L, K] float32 from ``path``.
 
     Raises KVScalesError naming the problem: unreadable file, not this format, a shape

@@ -34,7 +34,11 @@ def test_fp8_server_answers_and_shares_fp8_prefix_pages(server_factory, idle_inv
 
 def test_server_refuses_to_start_with_unusable_scales(server_factory, tmp_path):
     path = tmp_path / "scales.json"
-    path.write_text(json.dumps({"format": "radixlm-kv-scales-v1", "k_scale": [[1.0]], "v_scale": [[1.0]]}))
+    path.write_text(
+        json.dumps({"format": "radixlm-kv-scales-v1", "k_scale": [[1.0]], "v_scale": [[1.0]]})
+    )
     with pytest.raises(RuntimeError, match="k_scale must be 30 lists of 3 numbers"):
-        with server_factory(kv_cache_dtype="fp8_e4m3", kv_scales_path=str(path), max_total_tokens=4096):
+        with server_factory(
+            kv_cache_dtype="fp8_e4m3", kv_scales_path=str(path), max_total_tokens=4096
+        ):
             pass

@@ -65,14 +65,18 @@ def _assert_same_fp8(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert int((~same).sum()) < same.numel() // 20
 
 
-@pytest.mark.parametrize(("num_kv_heads", "head_dim", "page_size"), [(1, 64, 4), (3, 32, 16), (2, 128, 1)])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "head_dim", "page_size"), [(1, 64, 4), (3, 32, 16), (2, 128, 1)]
+)
 def test_store_kv_fp8_matches_reference_bitwise(num_kv_heads, head_dim, page_size) -> None:
     num_pages, num_tokens = 6, 9
     gen = torch.Generator().manual_seed(3)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     k_pool = torch.full(shape, float("nan")).to(FP8).to(DEVICE)
     v_pool = k_pool.clone()
-    slots = (torch.randperm((num_pages - 1) * page_size, generator=gen)[:num_tokens] + page_size).to(DEVICE)
+    slots = (
+        torch.randperm((num_pages - 1) * page_size, generator=gen)[:num_tokens] + page_size
+    ).to(DEVICE)
     qkv = torch.randn(len(slots), 3 * num_kv_heads, head_dim, generator=gen).to(DEVICE)
     k, v = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 2 * num_kv_heads :]  # strided views
     k[0, 0, 0] = 1e6  # saturates
@@ -90,10 +94,14 @@ def test_store_kv_fp8_matches_reference_bitwise(num_kv_heads, head_dim, page_siz
     assert bool((err <= bound).all())
 
 
-@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(1, 4, 4), (4, 8, 2), (16, 6, 2)])
+@pytest.mark.parametrize(
+    ("page_size", "num_heads", "num_kv_heads"), [(1, 4, 4), (4, 8, 2), (16, 6, 2)]
+)
 def test_decode_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> None:
     lens = [1, 7, 38, 75]
-    case, k8, v8, k_scale, v_scale = _fp8_case([(n - 1, 1) for n in lens], num_heads, num_kv_heads, 32, page_size)
+    case, k8, v8, k_scale, v_scale = _fp8_case(
+        [(n - 1, 1) for n in lens], num_heads, num_kv_heads, 32, page_size
+    )
     ref = reference.paged_attention(case.q, k8, v8, case.page_table, case.prefix, case.extend,
                                     case.scale, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     batched = reference.paged_decode_attention(case.q, k8, v8, case.page_table, lens, case.scale,
@@ -113,7 +121,9 @@ def test_decode_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> Non
 @pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 4, 4), (16, 8, 2)])
 def test_extend_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> None:
     specs = [(0, 19), (13, 5), (40, 33)]
-    case, k8, v8, k_scale, v_scale = _fp8_case(specs, num_heads, num_kv_heads, 32, page_size, seed=2)
+    case, k8, v8, k_scale, v_scale = _fp8_case(
+        specs, num_heads, num_kv_heads, 32, page_size, seed=2
+    )
     ref = reference.paged_attention(case.q, k8, v8, case.page_table, case.prefix, case.extend,
                                     case.scale, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     out = extend_attention(case.q, k8, v8, case.page_table, case.cu_extend, case.prefix_lens, case.scale,

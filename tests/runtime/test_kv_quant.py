@@ -30,7 +30,9 @@ from .test_model import Session, full_logits
 FP8 = torch.float8_e4m3fn
 
 
-def _scales(layers: int = 2, heads: int = 2, value: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+def _scales(
+    layers: int = 2, heads: int = 2, value: float = 0.01
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((layers, heads), value), torch.full((layers, heads), 2 * value)
 
 
@@ -41,8 +43,12 @@ def test_fp8_pool_holds_twice_the_bf16_tokens_in_the_same_bytes() -> None:
     assert bf16.bytes_per_token == 2 * 30 * 3 * 64 * 2 == 2 * fp8.bytes_per_token
     assert fp8.metadata_bytes == 2 * 30 * 3 * 4 and bf16.metadata_bytes == 0
     assert fp8.total_bytes == 9 * 16 * fp8.bytes_per_token + fp8.metadata_bytes
-    budget = 23040 * 4321  # the sizing rule of ModelRunner._size_pool: tokens = budget // bytes per token
-    assert budget // kv_bytes_per_token(30, 3, 64, FP8) == 2 * (budget // kv_bytes_per_token(30, 3, 64, torch.bfloat16))
+    budget = (
+        23040 * 4321
+    )  # the sizing rule of ModelRunner._size_pool: tokens = budget // bytes per token
+    assert budget // kv_bytes_per_token(30, 3, 64, FP8) == 2 * (
+        budget // kv_bytes_per_token(30, 3, 64, torch.bfloat16)
+    )
     assert KVPool(9, 16, 1, 1, 16, torch.float32, "cpu").dtype == torch.float32  # auto: model dtype
 
 
@@ -71,8 +77,12 @@ def test_fp8_pages_swap_through_host_memory_bit_for_bit() -> None:
     assert host.dtype == FP8 and host.shape == (2, 2, 2, 4, 2, 16)
     pool.write_pages([1, 3], host)
     for layer in range(2):
-        assert torch.equal(pool.k[layer][[1, 3]].view(torch.uint8), pool.k[layer][[2, 5]].view(torch.uint8))
-        assert torch.equal(pool.v[layer][[1, 3]].view(torch.uint8), pool.v[layer][[2, 5]].view(torch.uint8))
+        assert torch.equal(
+            pool.k[layer][[1, 3]].view(torch.uint8), pool.k[layer][[2, 5]].view(torch.uint8)
+        )
+        assert torch.equal(
+            pool.v[layer][[1, 3]].view(torch.uint8), pool.v[layer][[2, 5]].view(torch.uint8)
+        )
 
 
 def test_calibration_scales_are_twice_the_absmax_over_448(tiny_hf_model: Callable) -> None:
@@ -101,7 +111,9 @@ def test_fp8_cache_logits_stay_close_to_the_float_cache(tiny_hf_model: Callable)
     scales = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32)
     session = Session(model, page_size=4)
     session.pool = KVPool(64, 4, 2, 2, 16, torch.float32, "cpu", "fp8_e4m3", *scales)
-    got = [session.step({0: (ids[:20], 0)})[0]] + [session.step({0: ([ids[t]], t)})[0] for t in range(20, 30)]
+    got = [session.step({0: (ids[:20], 0)})[0]] + [
+        session.step({0: ([ids[t]], t)})[0] for t in range(20, 30)
+    ]
     got_t, ref = torch.cat(got), full_logits(model, ids)
     err = float((got_t - ref).norm() / ref.norm())
     assert 1e-4 < err < 0.05, err
@@ -133,7 +145,10 @@ def test_kv_cache_flags(capsys) -> None:
     assert ServerArgs.parse([]).kv_cache_dtype == "auto"
     for argv, message in (
         (["--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
-        (["--kv-scales-path", "s.json"], "--kv-scales-path only applies to --kv-cache-dtype fp8_e4m3"),
+        (
+            ["--kv-scales-path", "s.json"],
+            "--kv-scales-path only applies to --kv-cache-dtype fp8_e4m3",
+        ),
     ):
         with pytest.raises(SystemExit):
             ServerArgs.parse(argv)
