@@ -5,6 +5,9 @@ A policy is a plain function ``node -> sort key``: the tree evicts the candidate
 comparable (numbers or tuples of numbers). The registry ``EVICTION_POLICIES`` feeds the
 CLI ``choices`` (``--radix-eviction-policy``); adding a policy is one function plus one
 registry line. ``CandidateHeap`` is the tree's lazily invalidated min-heap over those keys.
+A *learned* policy is registered as a class instead: ``get_policy`` builds one instance
+per tree, and the heap feeds it events (``observe_new_candidate``, ``observe_evicted``)
+and calls its ``refresh`` now and then (see ``CandidateHeap``).
 
 Policies (``radixlm bench cache-sim`` compares them with Belady's offline optimum; the
 figures are in BENCHMARKS.md):
@@ -13,6 +16,8 @@ figures are in BENCHMARKS.md):
 * ``lfu``: fewest prefix matches first, then least recently used.
 * ``longest``: largest leaf (most pages, i.e. frees the most) first, then LRU.
 * ``importance``: a weighted score in seconds, lowest first; see ``importance``.
+* ``continuation-odds``: recency plus the log-odds, learned online, that a cached
+  sequence of its length is used again; see ``ContinuationOdds``.
 
 Contract a policy must keep (the tree's heap relies on it):
 
@@ -28,6 +33,8 @@ Contract a policy must keep (the tree's heap relies on it):
   key went stale is noticed when it reaches the top, re-keyed and pushed back. A key
   that *shrinks* behind the tree's back is only noticed when it reaches the top, so
   that node would be evicted later than its true key says.
+* A learned policy's keys may change only inside ``refresh`` (its model snapshot),
+  after which the heap re-keys every entry; between refreshes both rules above hold.
 """
 
 from __future__ import annotations
@@ -108,21 +115,118 @@ def importance(node: NodeStats) -> float:
     )
 
 
+CONTINUATION_BUCKET_TOKENS = 512  # sequence-length class width of the learned odds
+CONTINUATION_MAX_BUCKET = 63  # longer sequences share the last class (32K+ tokens)
+CONTINUATION_THINK_S = 60.0  # tau: mean time between two turns of a conversation
+CONTINUATION_PRIOR_WEIGHT = 100.0  # pseudo-trials pulling each class to the pooled rate
+CONTINUATION_AGE_BINS = 16  # histogram of idle ages at eviction, bins of tau / 2
+
+
+class ContinuationOdds:
+    """Recency plus the learned log-odds that a cached sequence is used again, lowest
+    first (a posterior-odds / hazard policy, learned online from the tree's own events).
+
+    Model (a conversation as a stream of turns): after a sequence of length L was
+    cached, it is matched again (the conversation's next turn) with probability p(L),
+    after an exponential think time of mean tau. A leaf idle for t seconds is then still
+    "alive" with posterior odds ``p / (1 - p) * exp(-t / tau)``; an alive leaf is reused
+    at rate 1 / tau whatever its size, so ranking leaves by those odds ranks them by
+    expected hits per page and second (LHD's hit density, Beckmann et al., NSDI 2018,
+    in closed form for exponential think times). In log-odds that is
+
+        key = last_access + tau * logit(p(L))          seconds, lowest first
+
+    which does not depend on the clock, so the heap needs no re-keying as time passes.
+
+    p(L), per 512-token class of ``prefix_len``, is the censored maximum-likelihood
+    estimate from the tree's own events: a new leaf (``hit_count == 0``) is a trial;
+    it succeeds when a later sequence extends it (the next new leaf's parent has
+    ``hit_count == 1``: matched once, by that sequence); it is censored at age a when
+    evicted unused, with likelihood ``1 - p + p * exp(-a / tau)`` (it may still have
+    come back). Leaves still cached are not counted yet. Ages are binned by tau / 2; EM
+    over the bins gives p, shrunk to the pooled estimate with
+    ``CONTINUATION_PRIOR_WEIGHT`` pseudo-trials. "Now" is the newest ``last_access`` seen.
+    Approximate on the server, which caches a request twice (its prompt after prefill,
+    then prompt + output): a conversation that ends is censored at both nodes' classes.
+    tau is a constant, this simulator trace's mean think time; it is not learned.
+
+    Keys use a snapshot of the estimates, updated by ``refresh`` when ``CandidateHeap``
+    re-keys all its entries (after as many new leaves as it has entries: O(1)
+    amortised per push); between refreshes the key is pure and monotone like every
+    other policy's (``prefix_len`` is fixed for a leaf). One object per tree:
+    ``get_policy`` builds a new one each call.
+    """
+
+    def __init__(self, think_s: float = CONTINUATION_THINK_S) -> None:
+        classes = CONTINUATION_MAX_BUCKET + 1
+        self.think_s = think_s
+        self.now = -math.inf
+        self.continued = [0] * classes
+        self.censored = [[0] * CONTINUATION_AGE_BINS for _ in range(classes)]
+        self.log_odds = [0.0] * classes  # the snapshot keys use
+
+    @staticmethod
+    def bucket(prefix_len: int) -> int:
+        return min(prefix_len // CONTINUATION_BUCKET_TOKENS, CONTINUATION_MAX_BUCKET)
+
+    def __call__(self, node: NodeStats) -> float:
+        return node.last_access + self.think_s * self.log_odds[self.bucket(node.prefix_len)]
+
+    def observe_new_candidate(self, node: Any) -> None:
+        """A node becomes an eviction candidate for the first time (a new leaf)."""
+        self.now = max(self.now, node.last_access)
+        parent = node.parent
+        if parent is not None and parent.parent is not None and parent.hit_count == 1:
+            self.continued[self.bucket(parent.prefix_len)] += 1
+
+    def observe_evicted(self, node: Any) -> None:
+        """A leaf is evicted; an unused one is a censored trial."""
+        if node.hit_count == 0:
+            age = max(self.now - node.last_access, 0.0)
+            b = min(int(2 * age / self.think_s), CONTINUATION_AGE_BINS - 1)
+            self.censored[self.bucket(node.prefix_len)][b] += 1
+
+    def _mle(self, continued: float, censored: list[float], prior: float, weight: float) -> float:
+        """EM for p with ``continued`` successes and censored trials per age bin."""
+        stay = [math.exp(-(b + 0.5) / 2) for b in range(CONTINUATION_AGE_BINS)]
+        n = continued + sum(censored) + weight
+        p = prior
+        for _ in range(50):
+            alive = sum(c * p * s / (1 - p + p * s) for c, s in zip(censored, stay, strict=True))
+            p = (continued + alive + weight * prior) / n
+        return p
+
+    def refresh(self) -> None:
+        """Recompute the per-class log-odds snapshot from the counts."""
+        pooled_censored = [sum(col) for col in zip(*self.censored, strict=True)]
+        pooled = self._mle(sum(self.continued), pooled_censored, 0.5, 2.0)
+        for b, (k, cens) in enumerate(zip(self.continued, self.censored, strict=True)):
+            p = self._mle(k, cens, pooled, CONTINUATION_PRIOR_WEIGHT)
+            p = min(max(p, 1e-3), 1 - 1e-3)
+            self.log_odds[b] = math.log(p / (1 - p))
+
+
 EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     "lru": lru,
     "lfu": lfu,
     "longest": longest,
     "importance": importance,
+    "continuation-odds": ContinuationOdds,
 }
 
 
 def get_policy(name: str) -> EvictionPolicy:
-    """Look a policy up by name; ValueError lists the valid names."""
+    """Look a policy up by name; ValueError lists the valid names. A learned policy
+    (registered as a class) gets a fresh instance per call."""
     try:
-        return EVICTION_POLICIES[name]
+        policy = EVICTION_POLICIES[name]
     except KeyError:
         choices = ", ".join(sorted(EVICTION_POLICIES))
         raise ValueError(f"unknown eviction policy {name!r}; choose from: {choices}") from None
+    return policy() if isinstance(policy, type) else policy
+
+
+REFRESH_MIN_NEW = 64  # a learned policy refreshes after at least this many new leaves
 
 
 class CandidateHeap:
@@ -132,19 +236,44 @@ class CandidateHeap:
     compared. Pushing a node again supersedes its older entries (``node.heap_seq``).
     ``pop`` skips superseded entries and entries the owner no longer considers valid,
     and re-pushes an entry whose key grew since it was pushed (policies are monotone).
+
+    A learned policy (one with ``observe_new_candidate``) hears of every node pushed for
+    the first time (``heap_seq < 0``: a new leaf, or a split-off parent whose children
+    all went) and of every node ``pop`` returns (it is evicted). After as many such new
+    nodes as the heap had entries at the last refresh (at least ``REFRESH_MIN_NEW``),
+    the heap calls ``policy.refresh()`` and re-keys its live entries: O(n) every >= n
+    pushes, so O(1) amortised per push and eviction stays O(log n) amortised.
     """
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._policy = policy
         self._entries: list[tuple[Any, int, Any]] = []
         self._seq = itertools.count()
+        self._observe = getattr(policy, "observe_new_candidate", None)
+        self._observe_evicted = getattr(policy, "observe_evicted", None)
+        self._new_since_refresh = 0
+        self._refresh_after = REFRESH_MIN_NEW  # new leaves; at least the entries re-keyed
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def push(self, node: HeapNode) -> None:
+        if self._observe is not None and node.heap_seq < 0:
+            self._observe(node)
+            self._new_since_refresh += 1
+            if self._new_since_refresh >= self._refresh_after:
+                self._refresh()
         node.heap_seq = next(self._seq)
         heapq.heappush(self._entries, (self._policy(node), node.heap_seq, node))
+
+    def _refresh(self) -> None:
+        """Let a learned policy update its estimates, then re-key every live entry."""
+        self._new_since_refresh = 0
+        self._policy.refresh()
+        live = [(node, seq) for _key, seq, node in self._entries if seq == node.heap_seq]
+        self._entries = [(self._policy(node), seq, node) for node, seq in live]
+        heapq.heapify(self._entries)
+        self._refresh_after = max(REFRESH_MIN_NEW, len(self._entries))
 
     def pop(self, is_valid: Callable[[N], bool]) -> N | None:
         """Remove and return the valid node with the lowest current key, or None."""
@@ -156,6 +285,8 @@ class CandidateHeap:
             if current != key:  # touched since it was pushed: re-key and retry
                 heapq.heappush(self._entries, (current, seq, node))
                 continue
+            if self._observe_evicted is not None:
+                self._observe_evicted(node)
             return node
         return None
 

@@ -141,6 +141,9 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     num_evicted_pages: int  # cumulative
     num_swapped_out: int = 0  # cumulative: preemptions that swapped KV to host memory
     prefill_tokens_recomputed: int = 0  # cumulative: KV computed again after a preemption
+    forward_steps: int = 0  # cumulative: forward passes launched
+    decode_steps: int = 0  # cumulative: forward passes where every item decodes one token
+    scheduler_busy_seconds: float = 0.0  # cumulative: scheduler loop time not waiting for the device
 
 
 class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):

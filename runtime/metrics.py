@@ -57,6 +57,10 @@ class Metrics:
         self.evicted = gauge("evicted_pages_total", "Radix-tree pages evicted so far.")
         self.swapped_out = gauge("num_swapped_out_total", "Preemptions that swapped KV to host memory.")
         self.recomputed = gauge("recomputed_tokens_total", "Tokens whose KV was computed again after a preemption.")
+        self.forward_steps = gauge("forward_steps_total", "Forward passes launched.")
+        self.decode_steps = gauge("decode_steps_total", "Forward passes where every request decodes one token.")
+        self.busy = gauge("scheduler_busy_seconds_total",
+                          "Scheduler loop time not spent waiting for the device (planning, launching, output).")
 
     def observe_chunk(self, gen, chunk) -> None:
         """Count one SampleChunk of request ``gen`` (stateless: the start time is
@@ -84,4 +88,7 @@ class Metrics:
             self.evicted.set(stats.num_evicted_pages)
             self.swapped_out.set(stats.num_swapped_out)
             self.recomputed.set(stats.prefill_tokens_recomputed)
+            self.forward_steps.set(stats.forward_steps)
+            self.decode_steps.set(stats.decode_steps)
+            self.busy.set(stats.scheduler_busy_seconds)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -18,13 +18,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from radixlm.runtime import messages as m
+from radixlm.runtime.attention import TritonAttentionBackend
+from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.grammar import apply_grammar_masks
 from radixlm.runtime.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales, load_kv_scales
@@ -32,11 +36,11 @@ from radixlm.runtime.memory_pool import KVPool, kv_bytes_per_token, kv_storage_d
 from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
 from radixlm.runtime.preemption import DEVICE_RATES, SwapCostModel
 from radixlm.runtime.request import Req
-from radixlm.runtime.sampling import SamplingBatch, SamplingInfo, sample
+from radixlm.runtime.sampling import SampleResult, SamplingBatch, SamplingInfo, sample
 from radixlm.runtime.schedule_policy import ScheduleDecision, ScheduleItem
 from radixlm.runtime.server_args import ServerArgs
 
-__all__ = ["ItemResult", "ModelRunner", "resolve_device"]
+__all__ = ["ItemResult", "ModelRunner", "PendingStep", "resolve_device"]
 
 logger = logging.getLogger("radixlm.model_runner")
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
@@ -90,6 +94,22 @@ class ModelRunner:
                     self.page_size, (self.num_pages - 1) * self.page_size, self.pool.total_bytes,
                     self.pool.total_bytes / 2**20, self.pool.metadata_bytes, args.kv_cache_dtype,
                     str(self.pool.dtype).removeprefix("torch."), self.pool.bytes_per_token, self.dtype, self.device)
+        # The last launch's sampled ids stay on the device: the next launch may feed them
+        # before the host has read them (overlap scheduling). _prev_rows: request -> row.
+        # A step samples at most one row per running request.
+        self._prev_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
+        self._prev_rows: dict[Req, int] = {}
+        self.graph_runner = self._make_graph_runner()
+
+    def _make_graph_runner(self) -> CudaGraphRunner | None:
+        """Decode CUDA graphs on a CUDA device with the Triton backend, unless disabled."""
+        args = self.args
+        if (args.disable_cuda_graph or self.device.type != "cuda"
+                or not isinstance(self.model.attn_backend, TritonAttentionBackend)):
+            return None
+        max_bs = args.cuda_graph_max_bs or args.max_running_requests
+        max_pages = -(-self.context_length // self.page_size)
+        return CudaGraphRunner(self.model, self.pool, max_bs, max_pages, self._prev_ids)
 
     def _kv_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """FP8 KV scales [L, K] from --kv-scales-path or a calibration pass (None, None for
@@ -159,20 +179,72 @@ class ModelRunner:
             swap.req.swap_handle = None
 
     def execute(self, decision: ScheduleDecision) -> list[ItemResult]:
-        batch, rows = self.prepare(decision.items)
-        hidden = self.model.forward(batch, self.pool)
-        logits = self.model.compute_logits(hidden)  # [N, V] float32
-        results = [ItemResult() for _ in decision.items]
-        self._prompt_logprobs(decision.items, rows, logits, results)
-        self._sample(decision.items, rows, logits, results)
-        return results
+        """Run one step and wait for its results (``launch(decision).collect()``)."""
+        return self.launch(decision).collect()
 
-    def prepare(self, items: list[ScheduleItem]) -> tuple[ForwardBatch, list[tuple[list[int], int | None]]]:
-        """ForwardBatch + for each item (its prompt-logprob rows, its sample row)."""
-        tokens, rows, flat, base = [], [], [], 0
+    def launch(self, decision: ScheduleDecision) -> PendingStep:
+        """Queue one step's forward pass and sampling on the device and return without
+        waiting for them (on CUDA); ``collect()`` on the result waits and reads them.
+
+        An item may feed a token that is still being sampled by the previous launch (its
+        request's ``num_inflight`` > 0, the overlap scheduler): that input is taken on the
+        device from the previous launch's sampled ids, so the host never waits for it.
+        """
+        items = decision.items
+        inputs, inflight = self._inputs(items)
+        hidden = self._replay_decode(items, inputs, inflight)
+        if hidden is not None:  # every item samples from its one row, in order
+            rows = [([], i) for i in range(len(items))]
+        else:
+            batch, rows = self.prepare(items, inputs)
+            if inflight:
+                flat = torch.tensor([i for i, _ in inflight], device=self.device)
+                src = torch.tensor([r for _, r in inflight], device=self.device)
+                batch.input_ids[flat] = self._prev_ids[src]
+            hidden = self.model.forward(batch, self.pool)
+        logits = self.model.compute_logits(hidden)  # [N, V] float32
+        step = PendingStep(items, [ItemResult() for _ in items])
+        self._prompt_logprobs(items, rows, logits, step.results)
+        self._sample(items, rows, logits, step)
+        return step
+
+    def _inputs(self, items: list[ScheduleItem]) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """Each item's input token ids, and (flat index, row of the previous launch's
+        samples) of the inputs not known yet on the host (written as -1 in the ids)."""
+        inputs, inflight, base = [], [], 0
         for it in items:
             ids = it.req.tokens(it.start, it.start + it.num_tokens)
-            tokens.append(ids)
+            if len(ids) < it.num_tokens:  # only the last one can be in flight
+                if len(ids) != it.num_tokens - 1 or it.req not in self._prev_rows:
+                    raise RuntimeError(f"request {it.req.rid}: input tokens missing at {it.start}")
+                inflight.append((base + it.num_tokens - 1, self._prev_rows[it.req]))
+                ids = [*ids, -1]
+            inputs.append(ids)
+            base += it.num_tokens
+        return inputs, inflight
+
+    def _replay_decode(self, items: list[ScheduleItem], inputs: list[list[int]],
+                       inflight: list[tuple[int, int]]) -> torch.Tensor | None:
+        """Hidden states [B, E] from a CUDA graph if this step is a pure decode step that
+        fits one (one token per item, each sampling, no prompt logprobs); else None."""
+        runner = self.graph_runner
+        if runner is None or len(items) > runner.max_bs:
+            return None
+        for it in items:
+            if it.num_tokens != 1 or not it.samples or self._prompt_positions(it):
+                return None
+        src = [0] * len(items)
+        for row, prev_row in inflight:
+            src[row] = prev_row
+        return runner.replay([ids[0] for ids in inputs], [it.start for it in items],
+                             [it.req.pages for it in items], src, [it.req for it in items])
+
+    def prepare(self, items: list[ScheduleItem], inputs: list[list[int]] | None = None
+                ) -> tuple[ForwardBatch, list[tuple[list[int], int | None]]]:
+        """ForwardBatch + for each item (its prompt-logprob rows, its sample row)."""
+        tokens, rows, flat, base = [], [], [], 0
+        for k, it in enumerate(items):
+            tokens.append(inputs[k] if inputs is not None else it.req.tokens(it.start, it.start + it.num_tokens))
             prompt_rows = [base + p - it.start for p in self._prompt_positions(it)]
             sample_row = base + it.num_tokens - 1 if it.samples else None
             rows.append((list(range(len(flat), len(flat) + len(prompt_rows))),
@@ -210,7 +282,7 @@ class ModelRunner:
             if req.top_logprobs_num:
                 res.prompt_top_logprobs = [None] * len(lead) + _top(lps, req.top_logprobs_num)
 
-    def _sample(self, items: list[ScheduleItem], rows, logits: torch.Tensor, results: list[ItemResult]) -> None:
+    def _sample(self, items: list[ScheduleItem], rows, logits: torch.Tensor, step: PendingStep) -> None:
         picks = [(i, r) for i, (_, r) in enumerate(rows) if r is not None]
         if not picks:
             return
@@ -221,15 +293,49 @@ class ModelRunner:
         matchers = [req.grammar for req in reqs]
         mask = partial(apply_grammar_masks, matchers=matchers) if any(m is not None for m in matchers) else None
         out = sample(logits[[r for _, r in picks]], sb, self.generator, top_k_logprobs=top_k, logits_mask=mask)
+        self._prev_ids[: len(picks)].copy_(out.next_ids)  # inputs of the next launch (overlap)
+        self._prev_rows = {req: k for k, req in enumerate(reqs)}
+        step.picks, step.sampled = [i for i, _ in picks], out
+        if self.device.type == "cuda":  # start the copies to the host now, wait in collect()
+            step.sampled = SampleResult(*(t.to("cpu", non_blocking=True) if t is not None else None for t in (
+                out.next_ids, out.logprobs, out.top_ids, out.top_logprobs)))
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its items, results filled so far (prompt logprobs), and the sampled
+    ids / logprobs on their way to the host. ``collect()`` waits and fills the results."""
+
+    items: list[ScheduleItem]
+    results: list[ItemResult]
+    picks: list[int] = field(default_factory=list)  # item index of each sampled row
+    sampled: SampleResult | None = None
+    ready: Any = None  # CUDA event recorded after the copies to the host
+    was_prefill: list[bool] = field(default_factory=list)  # per item, set by the scheduler
+    ends_prefill: list[bool] = field(default_factory=list)  # per item: this step completes the prompt
+    wait_seconds: float = 0.0  # host time collect() spent waiting for the device
+
+    def collect(self) -> list[ItemResult]:
+        out = self.sampled
+        if out is None:
+            return self.results
+        if self.ready is not None:
+            start = time.perf_counter()
+            self.ready.synchronize()
+            self.wait_seconds = time.perf_counter() - start
         next_ids, lps = out.next_ids.tolist(), out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for k, ((i, _), req) in enumerate(zip(picks, reqs, strict=True)):
-            res = results[i]
+        for k, i in enumerate(self.picks):
+            res, req = self.results[i], self.items[i].req
             res.next_id, res.logprob = next_ids[k], lps[k]
             if top_ids is not None and req.top_logprobs_num:
                 n = req.top_logprobs_num
                 res.top_logprobs = list(zip(top_ids[k][:n], top_lps[k][:n], strict=True))
+        self.sampled = None
+        return self.results
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
@@ -242,7 +348,7 @@ def _sampling_info(req: Req) -> SamplingInfo:
     return SamplingInfo(
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
         repetition_penalty=sp.repetition_penalty, frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty, seed=sp.seed, step=len(req.output_ids),
+        presence_penalty=sp.presence_penalty, seed=sp.seed, step=len(req.output_ids) + req.num_inflight,
         output_ids=req.output_ids, prompt_ids=req.prompt_ids,
     )
 

@@ -85,7 +85,8 @@ class PrefixCache:
         tree's copies and freed."""
         if self.tree is None:
             return
-        num_pages = min(req.num_computed // self.page_size, len(req.pages))
+        # KV of an in-flight token may be computed already, its id is not known yet.
+        num_pages = min(min(req.num_computed, req.num_known) // self.page_size, len(req.pages))
         if num_pages <= req.num_tree_pages:
             return
         tokens = req.all_ids[: num_pages * self.page_size]

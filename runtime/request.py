@@ -9,6 +9,11 @@ logits sample the next token).
     KV:        [ tree pages (shared) | own pages ...........  |        ]
                ^0          num_tree_pages*S      num_computed^  len(all_ids)^
 
+With overlap scheduling the next step is launched before the host has read the tokens
+the current one samples: ``num_inflight`` counts those (0-2). They are part of ``seq_len``
+(the planner feeds them; the model runner reads them on the device) but not of
+``output_ids`` / ``all_ids`` (``num_known`` tokens), which hold only tokens the host has.
+
 Preemption by recompute frees the KV (``num_computed`` back to 0); on resume the
 request is re-admitted like a new one whose prompt is ``all_ids``, so the radix tree
 usually still holds most of it. Preemption by swap also copies the computed KV to host
@@ -63,6 +68,7 @@ class Req:
     swap_handle: Any = None
     max_computed: int = 0  # high-water mark of num_computed (recompute accounting)
     grammar: Any = None  # xgrammar GrammarMatcher of a structured-generation request
+    num_inflight: int = 0  # sampled by launched steps, not read by the host yet
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:
@@ -93,6 +99,12 @@ class Req:
 
     @property
     def seq_len(self) -> int:
+        """Sequence length including tokens still in flight."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_known(self) -> int:
+        """Tokens the host has: ``len(all_ids)``."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property

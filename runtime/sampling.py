@@ -29,18 +29,18 @@ Pipeline, vectorised over the batch (no Python loop over rows in the arithmetic)
   one argmax replaces torch.multinomial. (Only the frequency / presence penalty's
   ``torch.unique`` waits for the device; the scheduler reads next_ids right after anyway.)
 
-Seeds (regression case C14). A seeded row's noise for step ``step`` comes from a CPU
-``torch.Generator`` seeded with ``_mix_seed(seed, step)`` (splitmix64), drawn as
-``torch.rand(V)`` and moved to the device, so it depends only on (seed, step, V): not on
+Seeds (regression case C14). A seeded row's noise for step ``step`` is a counter-based
+hash of (``_mix_seed(seed, step)``, token index) computed on the device for all seeded rows
+at once (``_seeded_noise``), so it depends only on (seed, step, V): not on
 batch size, position in the batch, batch-mates, or the unseeded generator. The same seed
 gives the same token only for the same logits: if the model's forward pass changes the
 logits (a different batch size picking a different GEMM kernel, another GPU, another
 dtype), the sample may change. Unseeded rows take one ``[Nu, V]`` draw from
 ``generator_for_unseeded`` (the device's default generator when None).
 
-Cost caveats, measured on an H200 host at V = 152064: each seeded row costs about 1.2 ms
-of CPU time per step (torch's CPU mt19937 behind ``torch.rand``); a counter-based RNG on
-the device (Philox keyed by (seed, step)) would remove it. Building a batch flattens the
+Cost caveats: seeded rows used to cost ~1.2 ms of CPU time each per step (a CPU
+mt19937 per row, measured on the H200 host at V = 152064); the counter-based hash is a
+handful of elementwise device ops for all of them. Building a batch flattens the
 penalised rows' token ids in Python (about 18 ms for 64 rows x 2.5k ids); a scheduler
 with long prompts and repetition penalty should cache those tensors per request.
 """
@@ -149,28 +149,34 @@ class SamplingBatch:
         seen_rows, seen_ids, seen_max = _flatten_ids(params, _rep_wanted, _seen_ids, device)
         out_rows, out_ids, out_max = _flatten_ids(params, _freq_pres_wanted, _output_ids, device)
 
-        def f32(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def i64(values: list[int]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        # Two host-to-device copies for the per-row parameters (a step's host time is
+        # mostly per-call overhead): floats [6, B] and ints [2, B], unbound into rows.
+        floats = torch.tensor([
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+            [p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+            [p.min_p for p in params],
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        ], dtype=torch.float32).to(device, non_blocking=True)
+        ints = torch.tensor([[p.top_k if p.top_k > 0 else _TOP_K_OFF for p in params], greedy],
+                            dtype=torch.int64).to(device, non_blocking=True)
+        temperatures, top_ps, min_ps, rep, freq, pres = floats.unbind(0)
+        unseeded = [i for i in sampled if params[i].seed is None]
         return cls(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperatures=f32(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-            ),
-            top_ks=i64([p.top_k if p.top_k > 0 else _TOP_K_OFF for p in params]),
-            top_ps=f32([p.top_p if p.top_p < 1.0 else float("inf") for p in params]),
-            min_ps=f32([p.min_p for p in params]),
-            repetition_penalties=f32([p.repetition_penalty for p in params]),
-            frequency_penalties=f32([p.frequency_penalty for p in params]),
-            presence_penalties=f32([p.presence_penalty for p in params]),
+            greedy=ints[1].bool(),
+            temperatures=temperatures,
+            top_ks=ints[0],
+            top_ps=top_ps,
+            min_ps=min_ps,
+            repetition_penalties=rep,
+            frequency_penalties=freq,
+            presence_penalties=pres,
             seen_rows=seen_rows,
             seen_ids=seen_ids,
             output_rows=out_rows,
             output_ids=out_ids,
-            unseeded_rows=i64([i for i in sampled if params[i].seed is None]),
+            unseeded_rows=torch.tensor(unseeded, dtype=torch.int64).to(device, non_blocking=True),
             seeded_rows=tuple(seeded),
             seed_keys=tuple(_mix_seed(params[i].seed, params[i].step) for i in seeded),
             max_token_id=max(seen_max, out_max),
@@ -313,16 +319,40 @@ def _exponential_noise(
         draw = torch.empty(batch.unseeded_rows.numel(), vocab, device=draw_device)
         q[batch.unseeded_rows] = draw.exponential_(generator=generator).to(batch.device)
     if batch.seeded_rows:
-        draws = torch.stack([_seeded_noise(key, vocab) for key in batch.seed_keys])  # [Ns, V]
         rows = torch.tensor(batch.seeded_rows, device=batch.device)
-        q[rows] = draws.to(batch.device)
+        keys = torch.tensor([_as_int64(k) for k in batch.seed_keys], dtype=torch.int64).to(batch.device)
+        q[rows] = _seeded_noise(keys, vocab)
     return q.clamp_min_(torch.finfo(torch.float32).tiny)  # q = 0 would give p / 0
 
 
-def _seeded_noise(key: int, vocab: int) -> Tensor:
-    """[V] f32 Exp(1) noise on the CPU, a function of (key, vocab) alone."""
-    uniform = torch.rand(vocab, generator=torch.Generator().manual_seed(key))  # [0, 1)
+def _seeded_noise(keys: Tensor, vocab: int) -> Tensor:
+    """[Ns, V] f32 Exp(1) noise, on ``keys``' device, a function of (key, vocab) alone.
+
+    Counter-based: the uniform of (key, i) is the top 24 bits of splitmix64's finaliser
+    (Steele et al. 2014) of ``key + (i + 1) * golden gamma`` in wrapping int64 arithmetic
+    (logical right shifts by masking), so every row is one vectorised expression on the
+    device, with no host generator and no loop over rows.
+    """
+    counters = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)  # [V]
+    x = keys[:, None] + counters[None, :] * _GAMMA  # [Ns, V], wraps mod 2^64
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    uniform = _shr(x, 40).to(torch.float32) * 2.0**-24  # [0, 1), exact
     return -torch.log1p(-uniform)  # inverse CDF of Exp(1); finite since uniform < 1
+
+
+def _shr(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _as_int64(x: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GAMMA, _MIX1, _MIX2 = (_as_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -361,6 +391,9 @@ def _flatten_ids(
 ) -> tuple[Tensor, Tensor, int]:
     """(rows, ids, max id or -1): every id of ``ids_of(p)`` for wanted rows, [N] int64 each."""
     per_row = [(row, ids_of(p)) for row, p in enumerate(params) if wanted(p)]
+    if not per_row:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty, -1
     flat = chain.from_iterable(row_ids for _, row_ids in per_row)
     ids = torch.tensor(list(flat), dtype=torch.int64)  # [N]
     rows = torch.tensor([row for row, _ in per_row], dtype=torch.int64)

@@ -94,12 +94,14 @@ class BatchPlanner:
         preemption_mode: str = "recompute",
         swap_capacity_tokens: int = 0,
         swap_is_cheaper: Callable[[int], bool] | None = None,
+        context_length: int | None = None,
     ) -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size
         self.max_running_requests = max_running_requests
+        self.context_length = context_length
         self.enable_prefix_reuse = enable_prefix_reuse
         self.waiting: list[Req] = []  # sorted by arrival
         self.running: list[Req] = []  # sorted by arrival
@@ -166,9 +168,20 @@ class BatchPlanner:
     def _chunk(self, req: Req, budget: int) -> int:
         return min(req.num_uncomputed, self.chunked_prefill_size, budget)
 
+    def _done_in_flight(self, req: Req) -> bool:
+        """True if a token in flight is sure to be the request's last (max_new_tokens or
+        the context length reached): no step is planned past it."""
+        if not req.num_inflight:
+            return False
+        if len(req.output_ids) + req.num_inflight >= req.sampling.max_new_tokens:
+            return True
+        return self.context_length is not None and req.seq_len >= self.context_length
+
     def _schedule_running(self, decision: ScheduleDecision, budget: int) -> int:
         for req in list(self.running):
             if req not in self.running:  # preempted while making room for an older one
+                continue
+            if self._done_in_flight(req):
                 continue
             n = self._chunk(req, budget)
             if n == 0:
@@ -240,6 +253,8 @@ class BatchPlanner:
     def _admit_waiting(self, decision: ScheduleDecision, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
+            if req.num_inflight:  # preempted with a token in flight: wait until it is read
+                break
             verdict = self._admit(req)
             if verdict == "reject":
                 self.waiting.pop(0)

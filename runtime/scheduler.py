@@ -27,10 +27,10 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.grammar import GrammarCache, grammar_of
 from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.memory_pool import PageAllocator
-from radixlm.runtime.model_runner import ItemResult, ModelRunner
+from radixlm.runtime.model_runner import ItemResult, ModelRunner, PendingStep
 from radixlm.runtime.prefix_cache import PrefixCache
 from radixlm.runtime.request import Req
-from radixlm.runtime.schedule_policy import BatchPlanner, ScheduleDecision
+from radixlm.runtime.schedule_policy import BatchPlanner
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.stop_checker import StopChecker
 
@@ -62,12 +62,17 @@ class Scheduler:
             preemption_mode=args.preemption_mode,
             swap_capacity_tokens=int(args.swap_space_gb * 2**30) // runner.pool.bytes_per_token,
             swap_is_cheaper=runner.swap_cost_model().swap_is_cheaper,
+            context_length=runner.context_length,
         )
+        self.overlap = not args.disable_overlap_schedule
+        self.inflight: PendingStep | None = None  # launched, results not read yet
         self.stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids, runner.context_length)
         self.reqs: dict[str, Req] = {}
         self.outbox: list[m.ReqOutput] = []
         self.control_out: list[Any] = []
-        self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0, recomputed=0)
+        self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0, recomputed=0, steps=0, decode_steps=0,
+                             busy_s=0.0)
+        self._waited = 0.0  # seconds the current step waited for the device
         self._last_stats = 0.0
         self.violations: list[str] = []
         self._grammars: GrammarCache | None = None  # built on the first grammar request
@@ -135,22 +140,70 @@ class Scheduler:
 
     # ----------------------------------------------------------------- one step
     def step(self) -> bool:
-        """Plan and run one forward pass. Returns False if there was nothing to do."""
+        """Plan and launch one forward pass and process the previous one's results.
+        Returns False if there was nothing to do.
+
+        Overlap scheduling (SGLang's overlap scheduler): the step planned now is launched
+        before the host reads the tokens the step in flight samples, so planning, page
+        bookkeeping and output processing run while the device computes. A request whose
+        token is still in flight decodes it from the device (``Req.num_inflight``); one that
+        turns out finished costs one wasted token. Requests whose next step depends on the
+        previous token's value on the host (a grammar mask, repetition / frequency /
+        presence penalties) make the scheduler read the step in flight first.
+        """
+        start, self._waited = time.perf_counter(), 0.0
+        try:
+            return self._step()
+        finally:
+            self.counters["busy_s"] += time.perf_counter() - start - self._waited
+
+    def _step(self) -> bool:
         if self.grammar_waiting:
             self._poll_grammars()
+        collected = False
+        if self.inflight is not None and self._needs_tokens():
+            self._collect()
+            collected = True
         decision = self.planner.plan()
         for req in decision.out_of_memory:
             req.finish("length", error="KV cache pool is full")
             self._finish(req)
         if decision.swap_out or decision.swap_in:
             self.runner.apply_swaps(decision)
-        if not decision.items:
-            return False
-        results = self.runner.execute(decision)
-        self._process_results(decision, results)
-        if self.args.debug_invariants:
+        launched = None
+        if decision.items:
+            launched = self.runner.launch(decision)
+            self._advance(launched)
+            self.counters["steps"] += 1
+            self.counters["decode_steps"] += all(it.num_tokens == 1 and it.samples for it in decision.items)
+        if self.inflight is not None:
+            self._collect()
+            collected = True
+        self.inflight = launched
+        if launched is not None and not self.overlap:
+            self._collect()
+        if self.args.debug_invariants and (launched is not None or collected):
             self._debug_check("after step")
-        return True
+        return launched is not None or collected
+
+    def _needs_tokens(self) -> bool:
+        """True if a running request's next step needs its previous token on the host."""
+        return any(req.grammar is not None or _has_penalties(req) for req in self.planner.running)
+
+    def _advance(self, step: PendingStep) -> None:
+        """Bookkeeping of a launched step, before its results are known: computed tokens
+        advance, sampled tokens are in flight. Records what the results will need."""
+        step.was_prefill, step.ends_prefill = [], []
+        for item in step.items:
+            req = item.req
+            was_prefill = req.in_prefill
+            end = req.num_computed + item.num_tokens
+            self.counters["recomputed"] += max(0, min(req.max_computed, end) - req.num_computed)
+            req.num_computed, req.max_computed = end, max(req.max_computed, end)
+            if item.samples:
+                req.num_inflight += 1
+            step.was_prefill.append(was_prefill)
+            step.ends_prefill.append(was_prefill and not req.in_prefill)
 
     def _safe_step(self) -> bool:
         """step(), but an exception (a bug, a device error) fails the requests in flight
@@ -159,27 +212,34 @@ class Scheduler:
             return self.step()
         except Exception as exc:  # report and keep serving
             logger.exception("scheduler step failed; aborting %d requests", len(self.planner.running))
-            for req in list(self.planner.running):
+            self.inflight = None
+            for req in list(self.planner.running) + [r for r in self.planner.waiting if r.num_inflight]:
                 req.finish("abort", error=f"internal error: {type(exc).__name__}: {exc}")
                 self._finish(req)
             return True
 
-    def _process_results(self, decision: ScheduleDecision, results: list[ItemResult]) -> None:
-        for item, res in zip(decision.items, results, strict=True):
+    def _collect(self) -> None:
+        """Wait for the step in flight and process its results."""
+        step, self.inflight = self.inflight, None
+        results = step.collect()
+        self._waited += step.wait_seconds
+        self._process_results(step, results)
+
+    def _process_results(self, step: PendingStep, results: list[ItemResult]) -> None:
+        for k, (item, res) in enumerate(zip(step.items, results, strict=True)):
             req = item.req
-            was_prefill = req.in_prefill
-            end = req.num_computed + item.num_tokens
-            self.counters["recomputed"] += max(0, min(req.max_computed, end) - req.num_computed)
-            req.num_computed, req.max_computed = end, max(req.max_computed, end)
-            self._count(req, item.num_tokens, was_prefill)
+            if req.finished:  # finished or aborted after this step was launched: discard
+                continue
+            self._count(req, item.num_tokens, step.was_prefill[k])
             if res.prompt_logprobs is not None:
                 req.prompt_logprobs.extend(res.prompt_logprobs)
                 req.prompt_top_logprobs.extend(res.prompt_top_logprobs or [None] * len(res.prompt_logprobs))
-            if was_prefill and not req.in_prefill:
+            if step.ends_prefill[k]:
                 self.cache.cache(req)  # share the prompt's pages with later requests now
                 if not req.output_ids:  # first time through the prompt (not a recompute)
                     self.counters["prefill_cached"] += req.cached_tokens
             if res.next_id is not None:
+                req.num_inflight -= 1
                 self._append_token(req, res)
             if req.finished:
                 self._finish(req)
@@ -211,6 +271,9 @@ class Scheduler:
             req.finish("stop")  # the grammar is complete and took a stop token
 
     def _finish(self, req: Req) -> None:
+        # Tokens still in flight are dropped; their KV positions may be computed already.
+        req.num_inflight = 0
+        req.num_computed = min(req.num_computed, req.num_known)
         self.planner.remove(req)
         self.reqs.pop(req.rid, None)
         if req.finish_reason != "abort" or req.error != "aborted by the client":
@@ -253,6 +316,9 @@ class Scheduler:
             num_evicted_pages=self.cache.num_evicted_pages,
             num_swapped_out=self.planner.num_swapped_out,
             prefill_tokens_recomputed=self.counters["recomputed"],
+            forward_steps=self.counters["steps"],
+            decode_steps=self.counters["decode_steps"],
+            scheduler_busy_seconds=self.counters["busy_s"],
         )
 
     def check_invariants(self) -> None:
@@ -280,7 +346,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.planner.running or self.planner.waiting)
+        return bool(self.planner.running or self.planner.waiting or self.inflight is not None)
 
     @property
     def idle_timeout_ms(self) -> int:
@@ -316,6 +382,11 @@ class Scheduler:
         if now - self._last_stats > STATS_INTERVAL_S:
             send.send(self.stats())
             self._last_stats = now
+
+
+def _has_penalties(req: Req) -> bool:
+    sp = req.sampling
+    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
 
 
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None) -> None:

@@ -156,6 +156,14 @@ class ServerArgs:
     attention_backend: str = _opt(
         "auto", "Attention backend ('auto': triton on CUDA, torch otherwise).", ("auto", "torch", "triton")
     )
+    disable_overlap_schedule: bool = _opt(
+        False, "Read each step's sampled tokens before planning the next one (no CPU/GPU overlap)."
+    )
+    disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
+    cuda_graph_max_bs: int | None = _opt(
+        None, "Largest decode batch replayed from a CUDA graph (default: --max-running-requests); "
+        "larger steps run eagerly."
+    )
     random_seed: int = _opt(0, "Seed for requests without their own seed.")
     log_level: str = _opt("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_requests: bool = _opt(
@@ -232,6 +240,8 @@ class ServerArgs:
         if self.api_key is not None and not _is_visible_ascii(self.api_key):
             raise ValueError("--api-key (or RADIXLM_API_KEY) must be non-empty printable ASCII "
                              "without spaces")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be >= 1")
         self.importance_weight_values()  # raises on a malformed list
         if not 0.0 <= self.decode_reserve_min_ratio <= self.decode_reserve_ratio:
             raise ValueError("need 0 <= --decode-reserve-min-ratio <= --decode-reserve-ratio")

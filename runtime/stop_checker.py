@@ -36,7 +36,7 @@ class StopChecker:
                 return "stop", matched
         if n_out >= sp.max_new_tokens:
             return "length", None
-        if req.seq_len >= self.context_length:
+        if req.num_known >= self.context_length:
             return "length", None
         return None
 

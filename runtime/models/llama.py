@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.attention import AttentionBackend
+from radixlm.runtime.attention import AttentionBackend, TritonAttentionBackend
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.memory_pool import KVPool
 
@@ -104,12 +104,17 @@ class RotaryEmbedding(nn.Module):
         # context, moved to the compute device on first use.
         self._inv_freq = _inv_freq(head_dim, params)  # [D/2] float32
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """[D/2] float32 inverse frequencies on ``device``."""
+        if self._inv_freq.device != device:
+            self._inv_freq = self._inv_freq.to(device)
+        return self._inv_freq
+
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> (cos, sin), each [T, D] in ``dtype``."""
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
+        self.inv_freq(positions.device)
         freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -128,9 +133,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: Any, layer_id: int, backend: AttentionBackend, qkv_bias: bool
+        self, config: Any, layer_id: int, backend: AttentionBackend, qkv_bias: bool,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
+        self.rotary = [rotary]  # fused RoPE's frequencies (a list: not a registered submodule)
         self.layer_id = layer_id
         self.attn_backend = backend
         self.num_heads = config.num_attention_heads
@@ -144,18 +151,22 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         batch: ForwardBatch,
         pool: KVPool,
     ) -> torch.Tensor:
-        """x [T, E] -> [T, E]; stores this layer's new K/V into ``pool``."""
+        """x [T, E] -> [T, E]; stores this layer's new K/V into ``pool``. With cos / sin
+        None, RoPE is the fused in-place kernel at ``batch.positions``."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)  # [T, H*D], [T, K*D] x2
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is None:
+            _fused_ops().rotary_embedding_(q, k, batch.positions, self.rotary[0].inv_freq(q.device))
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool)  # [T, H, D]
         return self.o_proj(o.reshape(num_tokens, -1))  # [T, H*D] -> [T, E]
 
@@ -163,23 +174,27 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, fused: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(_fused_ops().silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
         return self.down_proj(F.silu(gate) * up)  # [T, E]
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer_id: int, backend: AttentionBackend, qkv_bias: bool
+        self, config: Any, layer_id: int, backend: AttentionBackend, qkv_bias: bool,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, backend, qkv_bias)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = LlamaAttention(config, layer_id, backend, qkv_bias, rotary)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, fused=rotary is not None)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -194,21 +209,45 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, pool: KVPool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with fused kernels, residual stream kept apart (vLLM's layout):
+        (x, residual) -> (this layer's MLP output, residual so far); the sum of the two is
+        what ``forward`` returns. ``residual`` None at the first layer."""
+        ops, ln1, ln2 = _fused_ops(), self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = x, ops.rmsnorm(x, ln1.weight, ln1.eps)
+        else:
+            h, residual = ops.fused_add_rmsnorm(x, residual, ln1.weight, ln1.eps)
+        h = self.self_attn(h, None, None, batch, pool)
+        h, residual = ops.fused_add_rmsnorm(h, residual, ln2.weight, ln2.eps)
+        return self.mlp(h), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config))
+        # Fused Triton norm / RoPE / SiLU kernels go with the Triton attention backend.
+        self.fused = isinstance(backend, TritonAttentionBackend)
+        rotary = self.rotary_emb if self.fused else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, qkv_bias) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, backend, qkv_bias, rotary) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config))
 
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """All layers over the batch's new tokens; returns normed hidden states [N, E] of
         ``batch.logits_rows`` (the norm is per row, so only those rows are normed)."""
         x = self.embed_tokens(batch.input_ids)  # [T, E]
+        if self.fused:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer.forward_fused(x, residual, batch, pool)
+            rows = batch.logits_rows
+            return _fused_ops().fused_add_rmsnorm(x[rows], residual[rows], self.norm.weight, self.norm.eps)[0]
         cos, sin = self.rotary_emb(batch.positions, x.dtype)  # [T, D] each
         for layer in self.layers:
             x = layer(x, cos, sin, batch, pool)
@@ -302,6 +341,14 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         if getattr(config, "use_sliding_window", False):
             raise ValueError("Qwen2 with use_sliding_window=True is not supported")
         super().__init__(config, attn_backend)
+
+
+def _fused_ops() -> Any:
+    """radixlm.kernels.fused_ops, imported on first use: triton stays optional for the
+    torch backend, and kernel tests can set TRITON_INTERPRET before it is imported."""
+    from radixlm.kernels import fused_ops
+
+    return fused_ops
 
 
 def _head_dim(config: Any) -> int:

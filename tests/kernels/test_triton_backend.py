@@ -84,3 +84,26 @@ def test_registry_lists_triton_and_auto_picks_torch_on_cpu() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_auto_picks_triton_on_cuda() -> None:
     assert isinstance(create_attention_backend("auto", "cuda"), TritonAttentionBackend)
+
+
+def test_model_on_the_triton_backend_uses_fused_kernels_and_matches_torch(tiny_hf_model) -> None:
+    """The whole model with the Triton backend (fused add+RMSNorm, RoPE, SiLU-mul kernels,
+    residual kept apart) gives the torch backend's logits: a prefill then a decode step."""
+    import random
+
+    from radixlm.runtime.model_loader import load_model
+
+    model_dir = tiny_hf_model(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})[0]
+    models = {name: load_model(model_dir, torch.float32, DEVICE, name) for name in ("torch", "triton")}
+    assert models["triton"].model.fused and not models["torch"].model.fused
+    ids = random.Random(0).choices(range(256), k=13)
+    table = [3, 7, 1, 9]
+    logits = {}
+    for name, model in models.items():
+        pool = KVPool(12, PAGE, model.config.num_hidden_layers, 2, 16, torch.float32, DEVICE)
+        with torch.inference_mode():
+            prefill = ForwardBatch.build([ids[:12]], [0], [table], list(range(12)), PAGE, DEVICE)
+            first = model.compute_logits(model(prefill, pool))
+            step = ForwardBatch.build([ids[12:]], [12], [table], [0], PAGE, DEVICE)
+            logits[name] = torch.cat([first, model.compute_logits(model(step, pool))])
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=2e-5, rtol=2e-5)

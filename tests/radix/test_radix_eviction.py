@@ -4,15 +4,19 @@ brute-force model, and the cost of evict()."""
 from __future__ import annotations
 
 import itertools
+import math
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.radix import EVICTION_POLICIES, RadixTree
+from radixlm.radix import EVICTION_POLICIES, RadixTree, eviction
 from radixlm.radix.eviction import (
+    CONTINUATION_AGE_BINS,
     IMPORTANCE_MEMORY_S,
     IMPORTANCE_REUSE_S,
+    ContinuationOdds,
     get_policy,
     importance,
     lfu,
@@ -38,9 +42,12 @@ def ticking_clock():
 
 
 def test_registry_names_and_lookup() -> None:
-    assert list(EVICTION_POLICIES) == ["lru", "lfu", "longest", "importance"]
+    assert list(EVICTION_POLICIES) == ["lru", "lfu", "longest", "importance", "continuation-odds"]
     assert get_policy("lru") is lru and get_policy("lfu") is lfu
     assert get_policy("longest") is longest and get_policy("importance") is importance
+    # a learned policy: one fresh model per tree
+    first, second = get_policy("continuation-odds"), get_policy("continuation-odds")
+    assert isinstance(first, ContinuationOdds) and first is not second
     with pytest.raises(ValueError, match="choose from"):
         get_policy("fifo")
 
@@ -129,6 +136,77 @@ def test_importance_weighs_recency_reuse_and_memory() -> None:
     assert [tree.evict(1) for _ in range(4)] == [list(range(40, 48)), [10], [30], [20]]
 
 
+def test_continuation_odds_orders_by_recency_plus_learned_log_odds() -> None:
+    clock = [0.0]
+    tree = RadixTree(256, eviction_policy="continuation-odds", clock=lambda: clock[0])
+    policy = tree._policy
+    assert policy.think_s == 60.0
+    # A snapshot as if learned: sequences of 512-1023 tokens (class 1) come back with
+    # odds 3:1, shorter ones (class 0) with odds 1:3; keys are last_access + 60 s * log-odds.
+    policy.log_odds[0], policy.log_odds[1] = math.log(1 / 3), math.log(3)
+    short_old = tree.insert([1] * 256, [10]).node  # t=0, class 0: key -65.9
+    long_old = tree.insert([2] * 512, [20, 21]).node  # t=0, class 1: key +65.9
+    clock[0] = 100.0
+    short_new = tree.insert([3] * 256, [30]).node  # t=100, class 0: key 34.1
+    clock[0] = 150.0
+    long_new = tree.insert([4] * 768, [40, 41, 42]).node  # t=150, class 1: key 215.9
+    keys = [policy(n) for n in (short_old, short_new, long_old, long_new)]
+    assert keys == pytest.approx(
+        [-60 * math.log(3), 100 - 60 * math.log(3), 60 * math.log(3), 150 + 60 * math.log(3)]
+    )
+    # The long sequence cached at t=0 outlives the short one cached 100 s later.
+    assert [tree.evict(1) for _ in range(4)] == [[10], [30], [20, 21], [40, 41, 42]]
+    tree.check_invariants()
+
+
+def test_continuation_odds_counts_continued_and_censored_trials() -> None:
+    clock = [0.0]
+    tree = RadixTree(256, eviction_policy="continuation-odds", clock=lambda: clock[0])
+    policy = tree._policy
+    turn1 = [5] * 512  # class 1
+    tree.insert(turn1, [50, 51])
+    tree.insert([6] * 256, [60])  # class 0, never used again
+    clock[0] = 30.0
+    match = tree.match_prefix(turn1 + [7] * 256)  # the conversation comes back at t=30
+    assert match.pages == [50, 51]
+    tree.insert(turn1 + [7] * 256, [50, 51, 70])  # its new leaf extends turn 1's
+    assert policy.continued[:3] == [0, 1, 0]
+    clock[0] = 95.0
+    tree.insert([8] * 256, [80])  # "now" = 95 s
+    assert tree.evict(1) == [60]  # the unused class-0 leaf, idle 95 s: age bin 95 / 30 = 3
+    assert policy.censored[0][:5] == [0, 0, 0, 1, 0] and sum(map(sum, policy.censored)) == 1
+    assert tree.evict(1) == [70]  # turn 2's leaf (t=30, 768 tokens), unused: age 65 s
+    assert policy.censored[1][2] == 1
+    assert tree.evict(1) == [50, 51]  # turn 1's leaf again: it was used, not a trial
+    assert sum(map(sum, policy.censored)) == 2
+
+
+def test_continuation_odds_estimate_discounts_young_evictions() -> None:
+    mle = ContinuationOdds()._mle
+    old, young = [0] * CONTINUATION_AGE_BINS, [0] * CONTINUATION_AGE_BINS
+    old[-1] = young[0] = 1
+    # 3 continued, 1 evicted unused after 8 think times: it had almost surely ended.
+    assert mle(3, old, 0.5, 0.0) == pytest.approx(0.75, abs=1e-3)
+    # ... evicted after a quarter of a think time: it may well have come back.
+    assert mle(3, young, 0.5, 0.0) > 0.9
+    # no data: the prior
+    assert mle(0, [0] * CONTINUATION_AGE_BINS, 0.3, 100.0) == pytest.approx(0.3)
+
+
+def test_continuation_odds_refreshes_amortised() -> None:
+    tree = RadixTree(1, eviction_policy="continuation-odds", clock=ticking_clock())
+    refreshes = []
+    policy = tree._policy
+    original = policy.refresh
+    policy.refresh = lambda: (refreshes.append(len(tree._heap)), original())[1]
+    for token in range(4000):
+        tree.insert([token], [token])
+    # A refresh re-keys every entry (n), so the next one waits for n new leaves: the
+    # first after 64, then the heap doubles between refreshes (O(1) amortised per push).
+    assert refreshes == [63, 127, 254, 508, 1016, 2032]
+    assert sorted(tree.evict(4000)) == list(range(4000))
+
+
 # ------------------------------------------------------- heap vs brute force
 tokens = st.lists(st.integers(0, 2), max_size=8)
 operations = st.lists(
@@ -162,9 +240,15 @@ def evict_one_checked(tree: RadixTree, key) -> bool:
 @settings(max_examples=150, deadline=None)
 @given(page_size=st.sampled_from([1, 2]), ops=operations)
 def test_evict_takes_the_lowest_key_leaf(policy: str, page_size: int, ops) -> None:
+    # A learned policy re-keys the heap after every new leaf here (its snapshot moves).
+    with mock.patch.object(eviction, "REFRESH_MIN_NEW", 1):
+        run_and_check_evictions(policy, page_size, ops)
+
+
+def run_and_check_evictions(policy: str, page_size: int, ops) -> None:
     now = [0.0]
     tree = RadixTree(page_size, eviction_policy=policy, clock=lambda: now[0])
-    key, page_ids, locks, inserted = EVICTION_POLICIES[policy], itertools.count(), [], []
+    key, page_ids, locks, inserted = tree._policy, itertools.count(), [], []
     for op, arg in ops:
         now[0] += 1.0  # every operation happens at its own time
         if op == "insert":

@@ -127,7 +127,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
     @rule()
     def evict_one_leaf_in_policy_order(self) -> None:
         """``evict(1)`` takes exactly one unlocked leaf, one with the lowest policy key."""
-        key_of = EVICTION_POLICIES[self.tree.eviction_policy]
+        key_of = self.tree._policy  # the tree's own instance (a learned policy has state)
         leaves = [n for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
         freed = self.tree.evict(1)
         if not leaves:

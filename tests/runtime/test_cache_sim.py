@@ -52,7 +52,15 @@ TRACE_A = make_trace(
 
 @pytest.mark.parametrize(
     "policy, expected",
-    [("lru", 2), ("longest", 2), ("lfu", 4), ("importance", 4), (BELADY, 4)],
+    # continuation-odds has learned nothing yet (it refreshes after 64 new leaves): LRU
+    [
+        ("lru", 2),
+        ("longest", 2),
+        ("lfu", 4),
+        ("importance", 4),
+        ("continuation-odds", 2),
+        (BELADY, 4),
+    ],
 )
 def test_hit_counts_on_a_hand_computed_trace(policy: str, expected: int) -> None:
     assert hits(TRACE_A, page_size=1, capacity=4, policy=policy) == expected

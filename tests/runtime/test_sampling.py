@@ -352,12 +352,35 @@ def test_cuda_matches_properties_and_cpu_seeds():
     res = _sample(logits, [SamplingInfo(temperature=0.0)] * 8, top_k_logprobs=3)
     assert torch.equal(res.next_ids, logits.argmax(-1))
     assert res.next_ids.device.type == "cuda"
-    # Flat logits give bit-identical uniform probs on both devices, and seeded noise is
-    # drawn on the CPU, so a seeded row picks the same token on CPU and CUDA.
+    # Flat logits give bit-identical uniform probs on both devices, and seeded noise is an
+    # integer hash (then one log1p) on either device, so a seeded row picks the same token.
     infos = [SamplingInfo(), SamplingInfo(seed=5, step=3, top_k=50), SamplingInfo(temperature=0)]
     flat = torch.zeros(3, 1000)
     cpu_id = _sample(flat, infos).next_ids[1].item()
     assert _sample(flat.cuda(), infos).next_ids[1].item() == cpu_id
     assert _sample(flat[1:2].cuda(), infos[1:2]).next_ids[0].item() == cpu_id
+    from radixlm.runtime.sampling import _seeded_noise
+
+    keys = torch.tensor([12345, -987654321])
+    torch.testing.assert_close(_seeded_noise(keys.cuda(), 5000).cpu(), _seeded_noise(keys, 5000), rtol=1e-6, atol=0)
     counts = _frequencies(_sample(_known_rows(5000, "cuda"), [SamplingInfo()] * 5000).next_ids, 4)
     assert all(abs(got - want) < 0.03 for got, want in zip(counts, KNOWN_P, strict=True))
+
+
+def test_seeded_noise_is_exponential_and_a_function_of_the_key_only() -> None:
+    """The counter-based seeded noise: Exp(1) moments and uniform deciles over 10^6 draws,
+    the same values for the same key whatever the other rows, distinct keys independent."""
+    from radixlm.runtime.sampling import _as_int64, _mix_seed, _seeded_noise
+
+    keys = torch.tensor([_as_int64(_mix_seed(s, t)) for s, t in [(1, 0), (1, 1), (2, 0), (2**63 + 5, 9)]])
+    vocab = 250_000
+    noise = _seeded_noise(keys, vocab)  # [4, V]
+    assert noise.shape == (4, vocab) and noise.dtype == torch.float32 and (noise > 0).all()
+    torch.testing.assert_close(_seeded_noise(keys[2:3], vocab)[0], noise[2], rtol=0, atol=0)
+    flat = noise.flatten().double()
+    assert abs(flat.mean().item() - 1.0) < 0.005 and abs(flat.var().item() - 1.0) < 0.02
+    uniform = 1 - torch.exp(-flat)
+    deciles = torch.histc(uniform, bins=10, min=0, max=1) / flat.numel()
+    assert (deciles - 0.1).abs().max().item() < 0.002
+    corr = torch.corrcoef(noise.double())[0, 1:]
+    assert corr.abs().max().item() < 0.01

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from radixlm.radix.eviction import ContinuationOdds
 from radixlm.runtime import messages as m
-from radixlm.runtime.model_runner import ItemResult
+from radixlm.runtime.model_runner import ItemResult, PendingStep
 from radixlm.runtime.preemption import SwapCostModel
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
@@ -29,15 +30,26 @@ class StubRunner:
         self.next_token, self.fail, self.calls = next_token, fail, 0
 
     def swap_cost_model(self) -> SwapCostModel:
-        return SwapCostModel(kv_bytes_per_token=1024, params=10**6, num_layers=2, q_dim=64,
-                             link_bytes_per_s=1e9, flops_per_s=1e10)
+        return SwapCostModel(
+            kv_bytes_per_token=1024,
+            params=10**6,
+            num_layers=2,
+            q_dim=64,
+            link_bytes_per_s=1e9,
+            flops_per_s=1e10,
+        )
 
-    def execute(self, decision):
+    def launch(self, decision) -> PendingStep:
         self.calls += 1
         if self.fail:
             raise RuntimeError("device error")
-        return [ItemResult(next_id=self.next_token if it.samples else None, logprob=-0.5)
-                for it in decision.items]
+        return PendingStep(
+            decision.items,
+            [
+                ItemResult(next_id=self.next_token if it.samples else None, logprob=-0.5)
+                for it in decision.items
+            ],
+        )
 
 
 def make(runner: StubRunner, **args) -> Scheduler:
@@ -45,8 +57,11 @@ def make(runner: StubRunner, **args) -> Scheduler:
 
 
 def gen(rid: str, n_prompt: int = 20, **sp) -> m.GenerateReq:
-    return m.GenerateReq(rid=rid, input_ids=list(range(100, 100 + n_prompt)),
-                         sampling=m.SamplingParams(**{"max_new_tokens": 4, **sp}))
+    return m.GenerateReq(
+        rid=rid,
+        input_ids=list(range(100, 100 + n_prompt)),
+        sampling=m.SamplingParams(**{"max_new_tokens": 4, **sp}),
+    )
 
 
 def run(s: Scheduler) -> list[m.ReqOutput]:
@@ -142,15 +157,93 @@ def test_step_failure_aborts_requests_with_error_and_keeps_serving():
 
 def test_radix_eviction_flag_parses_and_rejects_unknown_policies(capsys) -> None:
     assert ServerArgs.parse([]).radix_eviction_policy == "lru"
-    assert ServerArgs.parse(["--radix-eviction-policy", "importance"]).radix_eviction_policy == "importance"
+    assert (
+        ServerArgs.parse(["--radix-eviction-policy", "importance"]).radix_eviction_policy
+        == "importance"
+    )
     with pytest.raises(SystemExit) as exit_info:
         ServerArgs.parse(["--radix-eviction-policy", "fifo"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'fifo'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "longest", "importance"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "longest", "importance", "continuation-odds"])
 def test_scheduler_builds_its_tree_with_the_eviction_policy(policy: str) -> None:
     scheduler = make(StubRunner(), radix_eviction_policy=policy)
     assert scheduler.cache.tree is not None and scheduler.cache.tree.eviction_policy == policy
-    assert make(StubRunner(), radix_eviction_policy=policy, disable_radix_cache=True).cache.tree is None
+    if policy == "continuation-odds":  # a learned policy: the server's tree has its own model
+        assert isinstance(scheduler.cache.tree._policy, ContinuationOdds)
+    assert (
+        make(StubRunner(), radix_eviction_policy=policy, disable_radix_cache=True).cache.tree
+        is None
+    )
+
+
+class RecordingRunner(StubRunner):
+    """StubRunner that records, per launch, (rid, tokens in flight, start) of each item."""
+
+    def __init__(self, next_token: int = 7) -> None:
+        super().__init__(next_token)
+        self.launches: list[list[tuple[str, int, int]]] = []
+
+    def launch(self, decision) -> PendingStep:
+        self.launches.append([(it.req.rid, it.req.num_inflight, it.start) for it in decision.items])
+        return super().launch(decision)
+
+
+def test_overlap_feeds_the_token_in_flight_and_stops_at_max_new_tokens():
+    runner = RecordingRunner()
+    s = make(runner)
+    s.handle(gen("a", max_new_tokens=4))
+    (out,) = run(s)
+    assert out.new_token_ids == [7, 7, 7, 7] and out.finish_reason == "length"
+    # prefill (0..19), then decodes of positions 20, 21, 22 each launched while the token
+    # they feed was still in flight; none past the 4th token (its length is known).
+    assert [launch for launch in runner.launches if launch] == [
+        [("a", 0, 0)],
+        [("a", 1, 20)],
+        [("a", 1, 21)],
+        [("a", 1, 22)],
+    ]
+    assert s.cache.cached_pages == 1 and not s.has_work
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_eos_in_flight_costs_one_wasted_step_and_nothing_else(overlap: bool):
+    runner = RecordingRunner(next_token=EOS)
+    s = make(runner, disable_overlap_schedule=not overlap, debug_invariants=True)
+    s.handle(gen("a", max_new_tokens=8))
+    (out,) = run(s)
+    assert out.new_token_ids == [EOS] and out.finish_reason == "stop"
+    steps = [launch for launch in runner.launches if launch]
+    assert steps == ([[("a", 0, 0)], [("a", 1, 20)]] if overlap else [[("a", 0, 0)]])
+    assert (
+        s.violations == [] and s.allocator.num_free == s.allocator.capacity - s.cache.cached_pages
+    )
+
+
+@pytest.mark.parametrize(
+    "params", [{"repetition_penalty": 1.2}, {"frequency_penalty": 0.5}, {"presence_penalty": 0.5}]
+)
+def test_penalties_read_each_token_before_the_next_step(params: dict):
+    runner = RecordingRunner()
+    s = make(runner)
+    s.handle(gen("a", max_new_tokens=4, **params))
+    s.handle(gen("b", max_new_tokens=4))
+    outs = {o.rid: o for o in run(s)}
+    assert outs["a"].new_token_ids == outs["b"].new_token_ids == [7, 7, 7, 7]
+    assert all(inflight == 0 for launch in runner.launches for _, inflight, _ in launch)
+
+
+def test_abort_of_a_request_in_flight_discards_its_results():
+    runner = RecordingRunner()
+    s = make(runner, debug_invariants=True)
+    s.handle(gen("a", max_new_tokens=50))
+    s.handle(gen("b", max_new_tokens=3))
+    for _ in range(3):
+        s._safe_step()
+    assert s.inflight is not None and s.reqs["a"].num_inflight == 1
+    s.handle(m.AbortReq(rid="a"))
+    outs = run(s)
+    assert [o.rid for o in outs if o.finish_reason] == ["b"]
+    assert s.violations == [] and not s.has_work

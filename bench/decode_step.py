@@ -1,0 +1,192 @@
+"""Decode step time in-process: eager vs CUDA-graph replay, against the weight-bandwidth floor.
+
+Builds a random-weight model of a real shape directly (no checkpoint on disk), a KV pool,
+and B requests of ``--context`` tokens each; then times decode steps (forward + LM head +
+greedy argmax, synchronised) eagerly and through ``CudaGraphRunner``. The floor is the
+model's parameter bytes / the device's measured copy bandwidth (read + write of a 4 GiB
+buffer, counted as 2x its size), the least time one decode step can take at batch 1
+(``floor_ms`` over all parameters, as PERFORMANCE.md counts; ``read_floor_ms`` without the
+embedding table, of which a step reads only B rows).
+
+    python bench/decode_step.py --shape llama3-8b --batch 1 32 64 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from radixlm.runtime.attention import create_attention_backend
+from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.memory_pool import KVPool
+from radixlm.runtime.models import LlamaForCausalLM
+
+
+def copy_bandwidth(device: torch.device, gib: int = 4, reps: int = 20) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(gib * 2**30 // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 2 * reps / (time.perf_counter() - start)
+
+
+def build_model(shape: dict, device: torch.device) -> LlamaForCausalLM:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**shape)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, create_attention_backend("triton", device))
+    model = model.to(torch.bfloat16).to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.02)
+    return model.eval().requires_grad_(False)
+
+
+def time_steps(step, steps: int) -> float:
+    """Median seconds of ``step()`` over ``steps`` synchronised calls (after 3 warm-ups)."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def measure_batch(
+    model,
+    runner: CudaGraphRunner,
+    pool: KVPool,
+    tables: list[list[int]],
+    context: int,
+    vocab: int,
+    steps: int,
+) -> dict:
+    """Prefill B = len(tables) requests of ``context`` tokens, then time one decode step
+    (forward + LM head + greedy ids to the host) eagerly and from the graph."""
+    bs, page, device = len(tables), pool.page_size, pool.device
+    model(ForwardBatch.build([[7] * context] * bs, [0] * bs, tables, [0], page, device), pool)
+    positions, next_ids = [context] * bs, [i % vocab for i in range(bs)]
+
+    def eager() -> None:
+        batch = ForwardBatch.build(
+            [[t] for t in next_ids], positions, tables, list(range(bs)), page, device
+        )
+        model.compute_logits(model(batch, pool)).argmax(-1).tolist()
+
+    def graph() -> None:
+        model.compute_logits(runner.replay(next_ids, positions, tables)).argmax(-1).tolist()
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):  # device time of the graph alone, back to back
+        runner.replay(next_ids, positions, tables)
+    end.record()
+    end.synchronize()
+    return dict(batch=bs, eager_ms=time_steps(eager, steps) * 1e3, graph_ms=time_steps(graph, steps) * 1e3,
+                graph_device_ms=start.elapsed_time(end) / steps, kernels=kernel_breakdown(eager))
+
+
+def kernel_breakdown(step, top: int = 12) -> dict:
+    """Device time per kernel name over one eager step (torch.profiler), the top ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        if evt.device_time_total > 0:
+            totals[evt.key[:80]] = [evt.device_time_total / 1e3, evt.count]
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {"total_ms": sum(v[0] for v in totals.values()), "launches": sum(v[1] for v in totals.values()),
+            "top": ranked[:top]}
+
+
+def main() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_e2e import SHAPES
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument(
+        "--vocab", type=int, help="override the shape's vocabulary (Llama-3-8B: 128256)"
+    )
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    shape = dict(SHAPES[args.shape], **({"vocab_size": args.vocab} if args.vocab else {}))
+    model = build_model(shape, device)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    read = params - (0 if model.tie_word_embeddings else embed.numel() * embed.element_size())
+    bandwidth = copy_bandwidth(device)
+    page = 16
+    max_bs = max(args.batch)
+    pages_per_req = -(-(args.context + args.steps + 8) // page)
+    head_dim = shape["head_dim"]
+    pool = KVPool(
+        max_bs * pages_per_req + 1,
+        page,
+        shape["num_hidden_layers"],
+        shape["num_key_value_heads"],
+        head_dim,
+        torch.bfloat16,
+        device,
+    )
+    tables = [
+        list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)) for b in range(max_bs)
+    ]
+    start = time.perf_counter()
+    prev_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+    runner = CudaGraphRunner(model, pool, max_bs, shape["max_position_embeddings"] // page, prev_ids)
+    capture_s = time.perf_counter() - start
+    result = dict(
+        shape=args.shape,
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        param_bytes=params,
+        copy_bandwidth_Bps=bandwidth,
+        floor_ms=params / bandwidth * 1e3,
+        read_bytes=read,
+        read_floor_ms=read / bandwidth * 1e3,
+        capture_s=capture_s,
+        context=args.context,
+        rows=[],
+    )
+    for bs in args.batch:
+        row = measure_batch(
+            model, runner, pool, tables[:bs], args.context, shape["vocab_size"], args.steps
+        )
+        row["graph_over_floor"] = row["graph_ms"] / result["floor_ms"]
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"decode_step_{args.shape}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Triton fused elementwise kernels of the Llama layer: add + RMSNorm, RoPE, SiLU-and-mul.
+
+Why: in a decode step each of these is a chain of small PyTorch kernels (RMSNorm alone is
+seven), and at batch 1 an 8B model's step is ~1,180 kernels whose fixed cost (2-3 us each,
+even replayed from a CUDA graph) rivals the weight streaming (bench/decode_step.py). One
+launch per operation removes most of it (vLLM and SGLang fuse the same three).
+
+Dimension letters: T tokens, E hidden size, H heads, D head dim, F MLP intermediate size.
+
+Numerics follow the PyTorch / Hugging Face code they replace, rounding where it rounds:
+  * RMSNorm: ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)``, the residual add rounded
+    to the input dtype first (``x = x + h``), statistics in float32.
+  * RoPE (rotate-half, GPT-NeoX layout): cos / sin of ``position * inv_freq`` in float32,
+    rounded to the input dtype, then ``x * cos + rotate_half(x) * sin`` with each product
+    rounded (as the bf16 PyTorch ops do). The float32 cos may differ from PyTorch's in the
+    last ulp, which the rounding to bf16 hides almost always.
+  * SiLU-and-mul: ``silu(gate)`` in float32 rounded, times ``up``, rounded.
+
+All run on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (tests). Inputs: last dim
+contiguous; rows may be strided (views of a fused projection's output).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fused_add_rmsnorm", "rmsnorm", "rotary_embedding_", "silu_and_mul"]
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, stride_ro, eps, n_cols,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # rounded like x + r
+        tl.store(RES_OUT + row * stride_ro + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
+    normed = (x32 * rstd).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (w * normed).to(Y.dtype.element_ty), mask=mask)
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    assert weight.shape == (x.shape[1],) and weight.is_contiguous()
+    rows, cols = x.shape
+    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    res_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
+        res_out = torch.empty_like(y)
+    if rows:
+        block = triton.next_power_of_2(cols)
+        r = residual if residual is not None else x
+        ro = res_out if res_out is not None else y
+        _rmsnorm_kernel[(rows,)](
+            x, r, weight, y, ro, x.stride(0), r.stride(0), y.stride(0), ro.stride(0), eps, cols,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+        )  # fmt: skip
+    return y, res_out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): x [T, E] (fp16/bf16/fp32), weight [E] -> [T, E]."""
+    return _norm(x, None, weight, eps)[0]
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` then ``(rmsnorm(s), s)``; x, residual [T, E] same dtype -> two new [T, E]."""
+    y, s = _norm(x, residual, weight, eps)
+    assert s is not None
+    return y, s
+
+
+@triton.jit
+def _rope_heads(base, t, stride_t, stride_h, n, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate the first ``n`` heads of token t in place; cos / sin [1, D/2] f32 (rounded)."""
+    dtype = base.dtype.element_ty
+    heads = tl.arange(0, BLOCK_H)[:, None]  # [Hb, 1]
+    half = tl.arange(0, HALF)[None, :]  # [1, D/2]
+    mask = heads < n
+    ptr = base + t * stride_t + heads * stride_h + half
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)  # first half   [Hb, D/2]
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)  # second half
+    # rotate_half(x) = [-x2, x1]; each product rounded, then the sum.
+    o1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(ptr, o1.to(dtype), mask=mask)
+    tl.store(ptr + HALF, o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, Pos, InvFreq, stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    half = tl.arange(0, HALF)  # [D/2]
+    angle = tl.load(Pos + t).to(tl.float32) * tl.load(InvFreq + half)  # [D/2] f32
+    dtype = Q.dtype.element_ty
+    cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
+    sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
+    _rope_heads(Q, t, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_HQ)
+    _rope_heads(K, t, stride_kt, stride_kh, num_k_heads, cos, sin, HALF, BLOCK_HK)
+
+
+def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """Rotary position embedding (Su et al. 2021, RoFormer), rotate-half layout, in place.
+
+    q [T, H, D], k [T, K, D] (same dtype, last dim contiguous, any token / head strides);
+    positions [T] int64; inv_freq [D/2] float32 on the same device. D a power of two.
+    """
+    assert q.dim() == 3 and k.dim() == 3 and q.stride(2) == 1 and k.stride(2) == 1
+    assert q.dtype == k.dtype and q.shape[0] == k.shape[0] == positions.shape[0]
+    head_dim = q.shape[2]
+    assert k.shape[2] == head_dim and head_dim & (head_dim - 1) == 0, head_dim
+    assert inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32
+    tokens = q.shape[0]
+    if tokens:
+        _rope_kernel[(tokens,)](
+            q, k, positions, inv_freq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q.shape[1], k.shape[1], HALF=head_dim // 2, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4,
+        )  # fmt: skip
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(GU + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (act * up).to(Out.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` (Shazeer 2020) for gate_up [T, 2F] = [gate | up] -> [T, F]."""
+    assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
+    rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = 1024
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), cols, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,259 @@
+"""CUDA graphs for decode steps: capture the model's forward once per batch-size bucket,
+replay it with new inputs copied into static buffers.
+
+Why: an eager decode step launches ~15 kernels per layer from Python (two of them Triton
+launches at 20-40 us of host time each), so small batches are bound by the host, not the
+GPU. A replayed graph launches the whole forward in one call (SGLang / vLLM do the same).
+
+Dimension letters: Bg the bucket's batch size, B the real batch (B <= Bg), Pmax the page
+table width (context length / page size), E hidden size.
+
+    static inputs, one host-to-device copy per step (the first Bg columns used):
+      inputs [5, Bmax] int64 = input_ids, positions, out_slots, src_rows, table_rows
+      req_pages [R, Pmax] int32: one page-table row per request, only changed ids copied
+    graph(Bg):  ids = where(input_ids >= 0, input_ids, prev_ids[src_rows])
+                seq_lens = positions + 1;  page_table = req_pages[table_rows]
+                model.forward(batch of ids over the first Bg rows) -> hidden [Bg, E]
+
+``prev_ids`` is the model runner's buffer of the previous step's sampled ids: an input of
+-1 is a token the host does not know yet (overlap scheduling), read there on the device.
+
+A step of B requests replays the smallest bucket Bg >= B. Rows B..Bg-1 are padding: they
+feed token 0 at position 0, write their K/V into slot 0 of the dummy page 0 (never handed
+out) and attend over that one slot, so they cost compute but touch no real page. Page
+table entries past a row's ``seq_len`` are never read, so a row's stale tail (after a
+request's pages were replaced by fewer) is harmless.
+
+The decode kernel's split count is fixed at capture from the bound ``Pmax * page_size``
+(``decode_num_splits``), so one graph serves every sequence length; short sequences leave
+the splits past their length empty. The LM head stays outside the graph (one GEMM; its
+[Bg, V] float32 output per bucket would cost far more memory than it saves time).
+Requires the Triton attention backend (the torch reference backend loops over requests
+on the host) and a CUDA device; sampling runs after the replay, outside the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable
+
+import torch
+
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.memory_pool import KVPool
+
+__all__ = ["CudaGraphRunner", "PageTableRows", "graph_batch_sizes"]
+
+logger = logging.getLogger("radixlm.cuda_graph")
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """Captured buckets: 1, 2, 4, 8, then every 8 up to 64, then every 16, up to ``max_bs``
+    (always included). Padding wastes at most 7 rows below 64 and 15 above.
+
+    Raises ValueError if ``max_bs`` < 1.
+    """
+    if max_bs < 1:
+        raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, max_bs + 1, 16)]
+    sizes = [s for s in sizes if s < max_bs]
+    return [*sizes, max_bs]
+
+
+class CudaGraphRunner:
+    """Decode-step graphs of ``model`` over ``pool``, one per bucket of ``graph_batch_sizes``.
+
+    Args:
+        model: a model with ``forward(batch, pool) -> hidden [N, E]`` (radixlm.runtime.models)
+            whose attention backend is the Triton one.
+        pool: the KV pool the graphs read and write (its tensors must outlive the graphs).
+        max_bs: the largest bucket (requests per decode step).
+        max_pages: page table width Pmax (pages of the longest possible sequence).
+        prev_ids: [R] int64 device buffer the -1 inputs are read from (``src_rows`` index it).
+
+    Raises RuntimeError if the device is not CUDA.
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: KVPool, max_bs: int, max_pages: int,
+                 prev_ids: torch.Tensor) -> None:
+        device = pool.device
+        if device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        self.model, self.pool, self.page_size = model, pool, pool.page_size
+        self.batch_sizes = graph_batch_sizes(max_bs)
+        self.max_bs, self.max_pages = self.batch_sizes[-1], max_pages
+        n = self.max_bs
+        # Host inputs of a step, one [5, Bmax] int64 copy: ids (-1: in flight), positions,
+        # KV slots, rows of prev_ids for the -1 ids, rows of the device page table.
+        self.inputs = torch.zeros((5, n), dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.out_slots, self.src_rows, self.table_rows = self.inputs.unbind(0)
+        self.prev_ids = prev_ids
+        # Derived on the device inside the graph.
+        self.resolved_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros((n, max_pages), dtype=torch.int32, device=device)
+        self.logits_rows = torch.arange(n, dtype=torch.int64, device=device)
+        self.cu_extend = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # Page tables live on the device, one row per request (row 0: all dummy page 0),
+        # updated incrementally: a step copies only the page ids that changed.
+        self.num_table_rows = 2 * n + 1
+        self.req_pages = torch.zeros((self.num_table_rows, max_pages), dtype=torch.int32, device=device)
+        self.tables = PageTableRows(self.num_table_rows)
+        # Pinned staging in two sets used in turn: a replay's copy may still be pending when
+        # the host stages the next one (overlap), never when it stages the one after.
+        self._staging = [torch.zeros((5, n), dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._turn = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = self._capture_all()
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        """A ForwardBatch view over the first ``bs`` static rows, with host lengths set to
+        the bound so the attention backend sizes its split-KV launch for any length."""
+        bound = self.max_pages * self.page_size
+        return ForwardBatch(
+            input_ids=self.resolved_ids[:bs], positions=self.positions[:bs],
+            page_table=self.page_table[:bs], prefix_lens=self.seq_lens[:bs] - 1,
+            extend_lens=torch.ones(bs, dtype=torch.int32, device=self.input_ids.device),
+            seq_lens=self.seq_lens[:bs], cu_extend=self.cu_extend[: bs + 1], out_slots=self.out_slots[:bs],
+            logits_rows=self.logits_rows[:bs], page_size=self.page_size,
+            prefix_lens_cpu=[bound - 1] * bs, extend_lens_cpu=[1] * bs,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def _capture_all(self) -> float:
+        start = time.perf_counter()
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.input_ids.device)
+        for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
+            batch = self._static_batch(bs)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile Triton kernels, settle allocator and caches
+                    self._forward(bs, batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                self.outputs[bs] = self._forward(bs, batch)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
+                    self.batch_sizes, seconds)
+        return seconds
+
+    def _forward(self, bs: int, batch: ForwardBatch) -> torch.Tensor:
+        ids = self.input_ids[:bs]
+        self.resolved_ids[:bs] = torch.where(ids >= 0, ids, self.prev_ids[self.src_rows[:bs]])
+        self.seq_lens[:bs] = self.positions[:bs] + 1
+        self.page_table[:bs] = self.req_pages[self.table_rows[:bs]]
+        return self.model.forward(batch, self.pool)
+
+    def bucket(self, batch_size: int) -> int | None:
+        """The smallest captured batch size >= ``batch_size`` (None if none is)."""
+        for bs in self.batch_sizes:
+            if bs >= batch_size:
+                return bs
+        return None
+
+    def replay(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]],
+               src_rows: list[int] | None = None, keys: list[Hashable] | None = None) -> torch.Tensor:
+        """One decode step of B = len(input_ids) requests: request b feeds token
+        ``input_ids[b]`` at ``positions[b]`` (its K/V goes to position ``positions[b]`` of
+        the pages ``page_tables[b]``; it attends over positions 0..positions[b]). An input
+        id of -1 is read from ``prev_ids[src_rows[b]]`` on the device. ``keys[b]``
+        identifies request b across steps (its device page-table row is kept and only
+        changed page ids are copied); default: a fresh row per step.
+
+        The host inputs go through pinned buffers in two sets used in turn, so the caller
+        must have waited on the stream for replay k (e.g. read its results) before replay
+        k + 2 stages its inputs; the overlap scheduler keeps one step in flight at most.
+
+        Returns hidden states [B, E] (model dtype), a view of the graph's output buffer that
+        the next replay overwrites. Raises ValueError if B exceeds the largest bucket or a
+        page table is too short / too wide.
+        """
+        b = len(input_ids)
+        bs = self.bucket(b)
+        if bs is None or b == 0:
+            raise ValueError(f"batch of {b} requests: captured sizes are 1..{self.max_bs}")
+        size = self.page_size
+        slots = []
+        for pos, table in zip(positions, page_tables, strict=True):
+            if pos // size >= len(table):
+                raise ValueError(f"page table of {len(table)} pages does not reach position {pos}")
+            if len(table) > self.max_pages:
+                raise ValueError(f"page table of {len(table)} pages exceeds the captured width {self.max_pages}")
+            slots.append(table[pos // size] * size + pos % size)
+        rows = self._sync_tables(keys if keys is not None else [object() for _ in range(b)], page_tables)
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        host = staging.numpy()
+        host[:, b:bs] = 0  # padding rows: token 0, position 0, dummy slot 0, dummy table row 0
+        host[0, :b] = input_ids
+        host[1, :b] = positions
+        host[2, :b] = slots
+        host[3, :b] = src_rows if src_rows is not None else 0
+        host[4, :b] = rows
+        self.inputs.copy_(staging, non_blocking=True)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
+
+    def _sync_tables(self, keys: list[Hashable], page_tables: list[list[int]]) -> list[int]:
+        """Device page-table row of each request, after copying the changed page ids."""
+        rows, updates = self.tables.sync(keys, page_tables)
+        if updates:
+            u = torch.tensor(updates, dtype=torch.int64).to(self.req_pages.device, non_blocking=True)
+            self.req_pages[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
+        return rows
+
+
+class PageTableRows:
+    """Host side of the incremental device page table: which row each request has and
+    what the device holds in it, so a step copies only the page ids that changed.
+
+    Rows 1..num_rows-1 are handed out (row 0 is the all-dummy padding row). When none is
+    free, the rows of requests not in the current step are reclaimed; a request that comes
+    back gets a new row written from scratch.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        if num_rows < 2:
+            raise ValueError(f"need at least 2 rows, got {num_rows}")
+        self._row_of: dict[Hashable, int] = {}
+        self._mirror: list[list[int]] = [[] for _ in range(num_rows)]
+        self._free = list(range(num_rows - 1, 0, -1))
+
+    def sync(self, keys: list[Hashable], page_tables: list[list[int]]) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """(row per request, (row, column, page id) writes that bring the device rows up to
+        date). Usually no write, or one per request that grew a page; a request whose
+        pages changed other than by appending (prefix pages swapped for the radix tree's
+        copies, pages replaced after a preemption) has its whole row rewritten.
+
+        Raises ValueError if the step has more requests than rows.
+        """
+        if len(keys) >= len(self._mirror):
+            raise ValueError(f"{len(keys)} requests in one step, only {len(self._mirror) - 1} rows")
+        rows, updates = [], []
+        for key, pages in zip(keys, page_tables, strict=True):
+            row = self._row_of.get(key)
+            if row is None:
+                row = self._take(set(keys))
+                self._row_of[key] = row
+            mirror = self._mirror[row]
+            if pages != mirror:
+                appended = len(pages) >= len(mirror) and pages[: len(mirror)] == mirror
+                start = len(mirror) if appended else 0
+                updates.extend((row, col, pages[col]) for col in range(start, len(pages)))
+                self._mirror[row] = list(pages)
+            rows.append(row)
+        return rows, updates
+
+    def _take(self, in_use: set) -> int:
+        if not self._free:
+            for key in [k for k in self._row_of if k not in in_use]:
+                row = self._row_of.pop(key)
+                self._mirror[row] = []
+                self._free.append(row)
+        return self._free.pop()

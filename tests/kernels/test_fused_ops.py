@@ -1,0 +1,68 @@
+"""Fused add+RMSNorm, RoPE and SiLU-and-mul kernels vs the model's PyTorch code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.fused_ops import fused_add_rmsnorm, rmsnorm, rotary_embedding_, silu_and_mul
+from radixlm.runtime.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+
+from .conftest import DEVICE
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    # bf16: within two rounding steps (2^-7 relative each): float32 sums in another order, an
+    # ulp of float32 cos, and the interpreter's own bf16 casts on the CPU.
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: a masked tail (not a power of two)
+def test_rmsnorm_and_fused_add_match_torch(dtype: torch.dtype, hidden: int) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(hidden, 1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden) * 0.5 + 1.0)
+    norm = norm.to(dtype)
+    x = torch.randn(5, 2 * hidden, device=DEVICE, dtype=dtype)[:, :hidden]  # strided rows
+    res = torch.randn(5, hidden, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(rmsnorm(x, norm.weight, 1e-5), norm(x), **_tol(dtype))
+        y, s = fused_add_rmsnorm(x, res, norm.weight, 1e-5)
+        # The add rounds like PyTorch's: exactly on the GPU; the CPU interpreter's bf16 cast
+        # truncates, one step (2^-7 relative) off.
+        one_step = dict(atol=0, rtol=0) if DEVICE == "cuda" or dtype == torch.float32 else dict(atol=0, rtol=2**-7)
+        torch.testing.assert_close(s, x + res, **one_step)
+        torch.testing.assert_close(y, norm(x + res), **_tol(dtype))
+    assert rmsnorm(x[:0], norm.weight, 1e-5).shape == (0, hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64)])
+def test_rope_in_place_matches_apply_rope(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    torch.manual_seed(1)
+    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0})
+    tokens = 7
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    positions = torch.tensor([0, 1, 5, 17, 100, 1000, 4095], device=DEVICE)
+    cos, sin = rope(positions, dtype)
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rotary_embedding_(q, k, positions, rope._inv_freq)
+    torch.testing.assert_close(q, want_q, **_tol(dtype))
+    torch.testing.assert_close(k, want_k, **_tol(dtype))
+    torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim :], v_before, atol=0, rtol=0)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    gate_up = torch.randn(3, 2 * 1100, device=DEVICE, dtype=dtype) * 3  # 1100: two blocks, masked
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, **_tol(dtype))

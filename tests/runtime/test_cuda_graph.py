@@ -1,0 +1,108 @@
+"""Decode CUDA graphs: buckets, and replay == eager forward (GPU only for the latter)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from radixlm.runtime.cuda_graph_runner import CudaGraphRunner, PageTableRows, graph_batch_sizes
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.memory_pool import KVPool, PageAllocator
+from radixlm.runtime.model_loader import load_model
+
+
+def test_graph_batch_sizes() -> None:
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
+    with pytest.raises(ValueError, match="max_bs"):
+        graph_batch_sizes(0)
+
+
+def test_page_table_rows_copy_only_what_changed() -> None:
+    rows = PageTableRows(4)  # rows 1..3
+    a, b, c, d = "a", "b", "c", "d"
+    assert rows.sync([a, b], [[5, 6], [7]]) == ([1, 2], [(1, 0, 5), (1, 1, 6), (2, 0, 7)])
+    assert rows.sync([a, b], [[5, 6], [7]]) == ([1, 2], [])  # nothing changed
+    assert rows.sync([b, a], [[7, 9], [5, 6]]) == ([2, 1], [(2, 1, 9)])  # b grew one page
+    # a's first page swapped for the tree's copy (dedup): the whole row is rewritten
+    assert rows.sync([a], [[4, 6, 8]]) == ([1], [(1, 0, 4), (1, 1, 6), (1, 2, 8)])
+    assert rows.sync([a], [[4]]) == ([1], [(1, 0, 4)])  # shrank (preempted, re-admitted)
+    assert rows.sync([c], [[1]]) == ([3], [(3, 0, 1)])
+    # no row free: a and b (not in this step) give theirs back; c keeps its row
+    assert rows.sync([c, d], [[1], [2]]) == ([3, 2], [(2, 0, 2)])
+    assert rows.sync([a], [[4]]) == ([1], [(1, 0, 4)])  # a comes back: written from scratch
+    with pytest.raises(ValueError, match="rows"):
+        rows.sync([a, b, c, d], [[1], [2], [3], [4]])
+
+
+def test_graph_runner_refuses_cpu(tiny_hf_model: Callable) -> None:
+    model = load_model(tiny_hf_model()[0], torch.float32, "cpu", "torch")
+    pool = KVPool(8, 4, 2, 2, 16, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        CudaGraphRunner(model, pool, max_bs=2, max_pages=4, prev_ids=torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 13])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int) -> None:
+    """B requests of different lengths (prefilled eagerly) decode one token through the
+    graph (padded to the bucket): hidden states and the K/V written equal the eager pass,
+    and the dummy page absorbs the padding rows' writes."""
+    page = 4
+    model = load_model(tiny_hf_model(max_position_embeddings=64)[0], torch.float32, "cuda", "triton")
+    cfg = model.config
+    rng = random.Random(batch)
+
+    def fresh() -> tuple[KVPool, list[list[int]], list[list[int]]]:
+        pool = KVPool(96, page, cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, "cuda")
+        for layer in range(cfg.num_hidden_layers):  # pools start uninitialised
+            pool.k[layer].zero_()
+            pool.v[layer].zero_()
+        alloc, tables, prompts = PageAllocator(96), [], []
+        r = random.Random(7)
+        for _ in range(batch):
+            n = r.randint(1, 30)
+            prompts.append(r.choices(range(256), k=n))
+            tables.append(alloc.alloc(-(-(n + 2) // page)))  # room for two decode steps
+            alloc.alloc(1)  # non-contiguous tables
+        prefill = ForwardBatch.build(prompts, [0] * batch, tables, [0], page, "cuda")
+        with torch.inference_mode():
+            model(prefill, pool)
+        return pool, tables, prompts
+
+    next_ids = [rng.randrange(256) for _ in range(batch)]
+    pool_e, tables, prompts = fresh()
+    positions = [len(p) for p in prompts]
+    eager_batch = ForwardBatch.build([[t] for t in next_ids], positions, tables, list(range(batch)), page, "cuda")
+    with torch.inference_mode():
+        want = model(eager_batch, pool_e)
+
+    pool_g, tables_g, _ = fresh()
+    prev = torch.zeros(16, dtype=torch.int64, device="cuda")
+    runner = CudaGraphRunner(model, pool_g, max_bs=16, max_pages=16, prev_ids=prev)
+    runner.page_table.fill_(5)  # stale entries past each row's length must not matter
+    # Inputs not known on the host (-1) are read from the previous step's ids on the device.
+    prev[: batch] = torch.tensor(next_ids[::-1], device="cuda")
+    host_ids = [-1 if b % 2 else t for b, t in enumerate(next_ids)]
+    src = [batch - 1 - b for b in range(batch)]
+    got = runner.replay(host_ids, positions, tables_g, src)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for layer in range(cfg.num_hidden_layers):
+        torch.testing.assert_close(pool_g.k[layer][1:], pool_e.k[layer][1:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(pool_g.v[layer][1:], pool_e.v[layer][1:], atol=1e-6, rtol=0)
+    # Second step: every request decodes one more token, each row's table grew at most a page.
+    with torch.inference_mode():
+        want2 = model(ForwardBatch.build([[t] for t in next_ids], [p + 1 for p in positions], tables,
+                                         list(range(batch)), page, "cuda"), pool_e)
+    got2 = runner.replay(next_ids, [p + 1 for p in positions], tables_g, keys=list(range(batch)))
+    torch.testing.assert_close(got2, want2, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="captured sizes"):
+        runner.replay([0] * 17, [0] * 17, [[1]] * 17)
+    with pytest.raises(ValueError, match="does not reach"):
+        runner.replay([0], [page], [[1]])
