@@ -46,7 +46,13 @@ fixed cost per call, not by the split count: on the H200, batch 32 streams K/V a
 (29.6 us per 1K keys) on top of ~15-22 us per call (one launch from a graph, the first
 dependent page-table -> K/V loads, the ~3 us merge kernel, write-back of dirty L2 lines), so
 32 x 2K reaches 0.77 of the copy bandwidth and 32 x 8K 0.96 (bench/KERNELS.md). Quantised
-pools are reserved through ``k_scale``/``v_scale`` and not implemented yet.
+
+FP8 pools (float8_e4m3fn pages, per-kv-head float32 ``k_scale``/``v_scale`` [K]): a
+program serves one kv head, so its two scales are scalars. K tiles are converted to q's
+dtype in registers and the K scale is folded into the softmax scale
+(q . (k8 * s_k) = s_k (q . k8)); V is used unscaled in the accumulator and the output is
+multiplied by s_v once (sum_j p_j v8_j s_v = s_v sum_j p_j v8_j). Half the bytes of bf16
+per key; the dequantisation costs one convert per element.
 """
 
 from __future__ import annotations
@@ -100,18 +106,20 @@ class DecodeWorkspace:
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse,
+    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale,
     qk_scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
     stride_ptb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if QUANT:  # FP8 pages: the K scale joins the softmax scale, V's scales the output
+        qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
     seq_len = tl.load(SeqLens + b)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -141,6 +149,8 @@ def _decode_split_kernel(
         k_off = page * stride_kp + slot * stride_ks  # [Nb]
         v_off = page * stride_vp + slot * stride_vs
         k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if QUANT:
+            k = k.to(Q.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Hb, Nb]
         s = s * qk_scale_log2  # log2 domain
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -149,11 +159,15 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if QUANT:
+            v = v.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if QUANT:
+        out = out * tl.load(VScale + kv_head)
     if DIRECT:
         o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=head_mask[:, None])
@@ -229,7 +243,8 @@ def _check_inputs(
     assert k_pool.dim() == 4 and k_pool.shape == v_pool.shape, (k_pool.shape, v_pool.shape)
     assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1, "pools: last dim contiguous"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
-    assert k_pool.dtype == v_pool.dtype == q.dtype, (q.dtype, k_pool.dtype, v_pool.dtype)
+    assert k_pool.dtype == v_pool.dtype, (k_pool.dtype, v_pool.dtype)
+    assert k_pool.dtype in (q.dtype, torch.float8_e4m3fn), (q.dtype, k_pool.dtype)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[2]
     assert k_pool.shape[3] == head_dim, (k_pool.shape, q.shape)
@@ -262,7 +277,8 @@ def decode_attention(
     """Paged decode attention: q [B, H, D] over each request's ``seq_lens[b]`` keys -> [B, H, D].
 
     Args:
-        q: [B, H, D] one query token per request (fp16/bf16/fp32, same dtype as the pools).
+        q: [B, H, D] one query token per request (fp16/bf16/fp32, same dtype as float
+            pools; any of them with FP8 pools).
         k_pool, v_pool: [P, S, K, D] pools of one layer, already holding the new tokens.
         page_table: [B, Pmax] int32 page ids; must cover ``seq_lens[b]`` tokens.
         seq_lens: [B] int32 keys per request (>= 1).
@@ -273,11 +289,11 @@ def decode_attention(
         workspace: optional scratch for N > 1, exactly ``DecodeWorkspace.allocate(B, H, N, D)``
             (allocated per call when omitted).
         config: launch parameters (block size, warps, stages, split heuristic).
-        k_scale, v_scale: reserved for quantised pools; must be None.
+        k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
+            float8_e4m3fn pools (value = stored * scale).
     """
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("quantised KV pools are not supported yet")
     _check_inputs(q, k_pool, v_pool, page_table, seq_lens)
+    _check_scales(k_pool, k_scale, v_scale)
     config = config or DecodeConfig()
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
@@ -298,8 +314,19 @@ def decode_attention(
         assert part_out.shape == (batch, num_heads, num_splits, head_dim), part_out.shape
         assert part_lse.shape == (batch, num_heads, num_splits) and part_out.is_contiguous()
     _launch(q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, scale,
-            num_splits, config)  # fmt: skip
+            num_splits, config, k_scale, v_scale)  # fmt: skip
     return out
+
+
+def _check_scales(
+    k_pool: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> None:
+    """FP8 pools need [K] float32 scales on the pool's device; float pools take none."""
+    quant = k_pool.dtype == torch.float8_e4m3fn
+    assert quant == (k_scale is not None) == (v_scale is not None), (k_pool.dtype, k_scale is None)
+    if quant:
+        assert k_scale.shape == v_scale.shape == (k_pool.shape[2],), (k_scale.shape, v_scale.shape)
+        assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.device == k_pool.device
 
 
 def _launch(
@@ -314,6 +341,8 @@ def _launch(
     scale: float,
     num_splits: int,
     config: DecodeConfig,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple:
     """Launch the split kernel (and the merge kernel when num_splits > 1); returns Triton's
     compiled kernels (registers, shared memory; the merge entry is None when skipped)."""
@@ -323,6 +352,7 @@ def _launch(
     direct = num_splits == 1
     split = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse,
+        seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -330,6 +360,7 @@ def _launch(
         page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
+        QUANT=k_scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     merge = None

@@ -43,8 +43,12 @@ reaches 0.44 of the bf16 matmul rate, 1.7x slower than PyTorch SDPA on contiguou
 2K-token extends on a cached prefix of >= 2K reach 0.51-0.54 and beat SDPA. Measured costs
 at prefix 0: the page-table lookup (the K/V addresses depend on a load: 13% with 128 x 128
 tiles, 5% with 64 x 64), the diagonal mask (6% with 64 x 64 tiles) and, with 128 x 128
-tiles (one program per SM), short causal programs (~8%). Quantised pools are reserved
-through ``k_scale``/``v_scale`` and not implemented yet.
+tiles (one program per SM), short causal programs (~8%).
+
+FP8 pools (float8_e4m3fn pages, per-kv-head float32 ``k_scale``/``v_scale`` [K]): as in
+the decode kernel, K/V tiles are converted to q's dtype in registers, the K scale is
+folded into the softmax scale and the V scale multiplies the output once (a program
+serves one query head, hence one kv head: both scales are scalars).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from radixlm.kernels.decode_attention import _check_scales
 
 __all__ = ["ExtendConfig", "default_extend_config", "extend_attention"]
 
@@ -125,6 +131,7 @@ def _attend_tile(
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     SCALE_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, NO_LOOKUP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i).
 
@@ -148,6 +155,8 @@ def _attend_tile(
         k = tl.load(k_ptr, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_ptr)
+    if QUANT:  # FP8 page -> q's dtype; the scale is in qk_scale_log2
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Mb, Nb]
     if SCALE_MODE == 0:
         s = s * qk_scale_log2  # log2 domain
@@ -166,13 +175,15 @@ def _attend_tile(
         v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptr)
+    if QUANT:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _extend_kernel(
-    Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out,
+    Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale,
     qk_scale_log2,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -180,7 +191,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     REVERSE_M: tl.constexpr, SCALE_MODE: tl.constexpr, WARP_SPEC: tl.constexpr,
-    PROBE: tl.constexpr,
+    PROBE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -195,6 +206,8 @@ def _extend_kernel(
         return
     prefix_len = tl.load(PrefixLens + b)
     kv_head = head // GROUP
+    if QUANT:  # FP8 pages: the K scale joins the softmax scale
+        qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
 
     rows = m0 + tl.arange(0, BLOCK_M)  # [Mb] query index within the request
     dims = tl.arange(0, HEAD_DIM)
@@ -224,17 +237,19 @@ def _extend_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
         )  # fmt: skip
     # Diagonal tiles, masked (PROBE 1, a measurement probe with a wrong result: unmasked).
     for n0 in range(full_end, key_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
+    if QUANT:
+        out = out * tl.load(VScale + kv_head)
     o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + dims[None, :], out.to(Out.dtype.element_ty), mask=row_mask[:, None])
 
@@ -254,7 +269,8 @@ def _check_inputs(
     assert k_pool.dim() == 4 and k_pool.shape == v_pool.shape, (k_pool.shape, v_pool.shape)
     assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1, "pools: last dim contiguous"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
-    assert k_pool.dtype == v_pool.dtype == q.dtype, (q.dtype, k_pool.dtype, v_pool.dtype)
+    assert k_pool.dtype == v_pool.dtype, (k_pool.dtype, v_pool.dtype)
+    assert k_pool.dtype in (q.dtype, torch.float8_e4m3fn), (q.dtype, k_pool.dtype)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[2]
     assert k_pool.shape[3] == head_dim and num_heads % num_kv_heads == 0, (q.shape, k_pool.shape)
@@ -295,11 +311,11 @@ def extend_attention(
         out: optional [T, H, D] output buffer (q's dtype, last dim contiguous).
         config: launch parameters (block sizes, warps, stages); default
             ``default_extend_config(q.device, max_extend_len, Pmax * S)``.
-        k_scale, v_scale: reserved for quantised pools; must be None.
+        k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
+            float8_e4m3fn pools (value = stored * scale).
     """
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("quantised KV pools are not supported yet")
     _check_inputs(q, k_pool, v_pool, page_table, cu_extend, prefix_lens)
+    _check_scales(k_pool, k_scale, v_scale)
     if config is None:
         max_seq_len = page_table.shape[1] * k_pool.shape[1]  # bound on keys per request
         config = default_extend_config(q.device, max_extend_len, max_seq_len)
@@ -310,7 +326,7 @@ def extend_attention(
     if batch == 0 or q.shape[0] == 0:
         return out
     _launch(q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, scale,
-            max_extend_len, config)  # fmt: skip
+            max_extend_len, config, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     return out
 
 
@@ -326,6 +342,9 @@ def _launch(
     max_extend_len: int,
     config: ExtendConfig,
     probe: int = 0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Launch ``_extend_kernel``; returns Triton's compiled kernel (registers, shared memory).
 
@@ -339,6 +358,7 @@ def _launch(
     grid = (num_heads, page_table.shape[0], triton.cdiv(max_extend_len, config.block_m))
     return _extend_kernel[grid](
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out,
+        prefix_lens if k_scale is None else k_scale, prefix_lens if v_scale is None else v_scale,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -348,6 +368,6 @@ def _launch(
         HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         REVERSE_M=config.reverse_m, SCALE_MODE=_SCALE_MODES[config.scale_mode],
-        WARP_SPEC=config.warp_specialize, PROBE=probe,
+        WARP_SPEC=config.warp_specialize, PROBE=probe, QUANT=k_scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -34,9 +34,61 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["store_kv", "paged_attention", "paged_decode_attention", "gather_kv"]
+__all__ = [
+    "FP8_E4M3_MAX",
+    "dequantize_fp8",
+    "dequantize_int4",
+    "quantize_int4",
+    "gather_kv",
+    "paged_attention",
+    "paged_decode_attention",
+    "quantize_fp8",
+    "store_kv",
+]
 
 IntList = Sequence[int] | torch.Tensor
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K, D] float -> float8_e4m3fn [..., K, D]: ``clamp(x / scale[k], +-448)``
+    rounded to nearest even. ``scale`` [K] float32 (one per kv head, > 0)."""
+    scaled = x.float() / scale.float()[:, None]
+    return scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn [..., K, D] -> float32 ``x * scale[k]`` (``scale`` [K] float32)."""
+    return x.float() * scale.float()[:, None]
+
+
+def quantize_int4(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantisation with statistics over ``dim`` (KIVI, Liu et al. 2024).
+
+    Keys: ``x`` a page [S, K, D] with ``dim=0`` (per channel within the page); values:
+    ``x`` [T, K, D // G, G] with ``dim=-1`` (per token, groups of G along D). For every
+    slice along ``dim``: zero = min, scale = (max - min) / 15, both rounded to fp16 first;
+    code = clamp(round((x - zero) / scale), 0, 15) (a constant slice gets scale 1, code 0).
+
+    Returns (packed, scale, zero): ``packed`` uint8 with the last dim halved, two codes
+    per byte (element 2i in the low nibble, 2i + 1 in the high one); ``scale`` and
+    ``zero`` fp16 with ``dim`` reduced to size 1. The last dim of ``x`` must be even.
+    """
+    x = x.float()
+    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    zero = lo.half()
+    scale = ((hi - lo) / 15).half()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((x - zero.float()) / scale.float()).clamp(0, 15).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, scale, zero
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_int4``: float32 ``code * scale + zero``, last dim doubled."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)  # [..., D]
+    return codes.float() * scale.float() + zero.float()
 
 
 def store_kv(
@@ -45,30 +97,43 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     out_slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new tokens' K/V into their page slots, in place.
 
     Args:
-        k_pool, v_pool: [P, S, K, D] pools of one layer (any float dtype; k/v are cast).
+        k_pool, v_pool: [P, S, K, D] pools of one layer (any float dtype; k/v are cast),
+            or float8_e4m3fn pools with ``k_scale``/``v_scale``.
         k, v: [T, K, D] keys / values of the new tokens (may be strided views).
         out_slots: [T] int64 flat slot ids (page * S + offset), one per token.
+        k_scale, v_scale: [K] float32 per-kv-head scales of an FP8 pool
+            (``quantize_fp8``); None for float pools.
     """
     num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     assert k.shape == v.shape and k.shape[1:] == (num_kv_heads, head_dim), (k.shape, k_pool.shape)
     assert out_slots.shape == (k.shape[0],), (out_slots.shape, k.shape)
+    if k_scale is not None:
+        assert k_pool.dtype == torch.float8_e4m3fn and v_scale is not None, k_pool.dtype
+        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
     k_pool.view(-1, num_kv_heads, head_dim)[out_slots] = k.to(k_pool.dtype)  # [P*S, K, D]
     v_pool.view(-1, num_kv_heads, head_dim)[out_slots] = v.to(v_pool.dtype)
 
 
-def gather_kv(pool: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_kv(
+    pool: torch.Tensor, pages: torch.Tensor, seq_len: int, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """Dense copy of one request's first ``seq_len`` tokens from a [P, S, K, D] pool.
 
-    ``pages`` is the request's page-table row ([>= ceil(seq_len / S)] ids). Returns [L, K, D].
+    ``pages`` is the request's page-table row ([>= ceil(seq_len / S)] ids). Returns [L, K, D]
+    in the pool dtype, or dequantised to float32 when ``scale`` ([K], FP8 pool) is given.
     """
     page_size = pool.shape[1]
     num_pages = -(-seq_len // page_size)
     index = pages[:num_pages].to(device=pool.device, dtype=torch.long)
     dense = pool[index]  # [n, S, K, D]
+    if scale is not None:
+        dense = dequantize_fp8(dense, scale)
     return dense.reshape(-1, pool.shape[2], pool.shape[3])[:seq_len]  # [n*S, K, D] -> [L, K, D]
 
 
@@ -100,6 +165,8 @@ def paged_attention(
     prefix_lens: IntList,
     extend_lens: IntList,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole sequence, via pages.
 
@@ -110,6 +177,7 @@ def paged_attention(
         prefix_lens: [B] tokens already cached per request (tensor or host list).
         extend_lens: [B] new tokens per request (tensor or host list).
         scale: softmax scale, usually D ** -0.5.
+        k_scale, v_scale: [K] float32 scales of FP8 pools (None for float pools).
 
     Returns:
         [T, H, D] attention output in q's dtype (computed in float32).
@@ -123,8 +191,8 @@ def paged_attention(
     start = 0
     for b, (p_len, e_len) in enumerate(zip(prefix, extend, strict=True)):
         seq_len = p_len + e_len
-        k = gather_kv(k_pool, page_table[b], seq_len)  # [L, K, D]
-        v = gather_kv(v_pool, page_table[b], seq_len)
+        k = gather_kv(k_pool, page_table[b], seq_len, k_scale)  # [L, K, D]
+        v = gather_kv(v_pool, page_table[b], seq_len, v_scale)
         rows = slice(start, start + e_len)
         out[rows] = _attend_one(q[rows], k, v, p_len, scale).to(q.dtype)
         start += e_len
@@ -138,6 +206,8 @@ def paged_decode_attention(
     page_table: torch.Tensor,
     seq_lens: IntList,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode step (one query token per request), batched: no Python loop over requests.
 
@@ -152,6 +222,7 @@ def paged_decode_attention(
         page_table: [B, Pmax] int32.
         seq_lens: [B] tokens per request including the new one (tensor or host list).
         scale: softmax scale.
+        k_scale, v_scale: [K] float32 scales of FP8 pools (None for float pools).
 
     Returns:
         [B, H, D] in q's dtype (computed in float32).
@@ -162,10 +233,12 @@ def paged_decode_attention(
     max_len = int(lens.max())
     pages = page_table[:, : -(-max_len // page_size)].to(torch.long)  # [B, n]
 
-    def gather(pool: torch.Tensor) -> torch.Tensor:  # [B, n, S, K, D] -> [B, L, K, D]
-        return pool[pages].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    def gather(pool: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        dense = pool[pages]  # [B, n, S, K, D]
+        dense = dense.float() if scale is None else dequantize_fp8(dense, scale)
+        return dense.reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]  # [B, L, K, D]
 
-    k, v = gather(k_pool), gather(v_pool)
+    k, v = gather(k_pool, k_scale), gather(v_pool, v_scale)
     qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, K, G, L]
     pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, L]

@@ -16,8 +16,11 @@ Layout::
 Grid: one program per token; it moves the whole [K, D] tile of K and of V (K padded to a
 power of two and masked).
 
-Limits: D a power of two (16..256); K <= 64. Quantised pools (fp8 / int4 with scales) are
-reserved through ``k_scale`` / ``v_scale`` and not implemented yet.
+FP8 pools (float8_e4m3fn, with per-kv-head float32 scales ``k_scale``/``v_scale`` [K]):
+the kernel stores ``clamp(x / scale[k], +-448)`` rounded to e4m3 (quantisation on the fly,
+same rounding as ``reference.quantize_fp8``).
+
+Limits: D a power of two (16..256); K <= 64.
 
 Algorithm: the KV write of PagedAttention (Kwon et al., SOSP 2023): tokens go to slots of
 fixed-size pages named by a page table, not to a contiguous per-request buffer.
@@ -35,11 +38,11 @@ __all__ = ["store_kv"]
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KPool, VPool, Slots,
+    K, V, KPool, VPool, Slots, KScale, VScale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
     NUM_KV_HEADS: tl.constexpr, BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_KH)  # [Kp]
@@ -50,6 +53,11 @@ def _store_kv_kernel(
     offset = slot % PAGE_SIZE
     k = tl.load(K + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if QUANT:  # FP8: x / scale, saturated to the e4m3 range
+        k_scale = tl.load(KScale + heads, mask=heads < NUM_KV_HEADS, other=1.0)  # [Kp]
+        v_scale = tl.load(VScale + heads, mask=heads < NUM_KV_HEADS, other=1.0)
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale[:, None]), -448.0, 448.0)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale[:, None]), -448.0, 448.0)
     k_dst = KPool + page * stride_kp + offset * stride_ks + heads[:, None] * stride_kk
     v_dst = VPool + page * stride_vp + offset * stride_vs + heads[:, None] * stride_vk
     tl.store(k_dst + dims[None, :], k.to(KPool.dtype.element_ty), mask=mask)
@@ -59,7 +67,7 @@ def _store_kv_kernel(
 def _check_pool(pool: torch.Tensor, name: str) -> None:
     assert pool.dim() == 4, f"{name} must be [P, S, K, D], got {tuple(pool.shape)}"
     assert pool.stride(-1) == 1, f"{name} last dim must be contiguous"
-    assert pool.dtype in (torch.float16, torch.bfloat16, torch.float32), pool.dtype
+    assert pool.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn), pool.dtype
 
 
 def store_kv(
@@ -74,10 +82,11 @@ def store_kv(
     """Write ``k``/``v`` [T, K, D] into ``k_pool``/``v_pool`` [P, S, K, D] at ``out_slots``
     (flat slot ids, int64 [T]), in place, casting to the pool dtype.
 
-    ``k_scale``/``v_scale`` are reserved for quantised pools and must be None for now.
+    ``k_scale``/``v_scale``: [K] float32 per-kv-head scales, required for (and only for)
+    float8_e4m3fn pools, which get ``clamp(x / scale, +-448)`` in e4m3.
     """
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("quantised KV pools are not supported yet")
+    quant = k_pool.dtype == torch.float8_e4m3fn
+    assert quant == (k_scale is not None) == (v_scale is not None), (k_pool.dtype, k_scale is None)
     _check_pool(k_pool, "k_pool")
     _check_pool(v_pool, "v_pool")
     num_pages, page_size, num_kv_heads, head_dim = k_pool.shape
@@ -95,12 +104,16 @@ def store_kv(
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
+    if quant:
+        assert k_scale.shape == v_scale.shape == (num_kv_heads,), (k_scale.shape, v_scale.shape)
+        assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.device == k_pool.device
     _store_kv_kernel[(num_tokens,)](
         k, v, k_pool, v_pool, out_slots,
+        k_scale if quant else out_slots, v_scale if quant else out_slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         NUM_KV_HEADS=num_kv_heads, BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, QUANT=quant,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )  # fmt: skip

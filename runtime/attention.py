@@ -76,11 +76,14 @@ class TorchAttentionBackend(AttentionBackend):
         pool: KVPool,
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
-        reference.store_kv(k_pool, v_pool, k, v, batch.out_slots)
+        k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
+        reference.store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale)
         scale = q.shape[-1] ** -0.5
         if batch.is_decode:
             seq_lens = [p + 1 for p in batch.prefix_lens_cpu]
-            return reference.paged_decode_attention(q, k_pool, v_pool, batch.page_table, seq_lens, scale)
+            return reference.paged_decode_attention(
+                q, k_pool, v_pool, batch.page_table, seq_lens, scale, k_scale, v_scale
+            )
         return reference.paged_attention(
             q,
             k_pool,
@@ -89,6 +92,8 @@ class TorchAttentionBackend(AttentionBackend):
             batch.prefix_lens_cpu,
             batch.extend_lens_cpu,
             scale=scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 
@@ -132,13 +137,15 @@ class TritonAttentionBackend(AttentionBackend):
         pool: KVPool,
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
-        self._store_kv(k_pool, v_pool, k, v, batch.out_slots)
-        q = q.to(k_pool.dtype)
+        k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
+        self._store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale)
+        if not pool.quantised:
+            q = q.to(k_pool.dtype)
         scale = q.shape[-1] ** -0.5
         if not batch.is_decode:
             return self._extend(
                 q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
-                scale, max_extend_len=max(batch.extend_lens_cpu),
+                scale, max_extend_len=max(batch.extend_lens_cpu), k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         batch_size, num_heads, head_dim = q.shape
         shape = (batch_size, num_heads, self._num_splits)
@@ -149,7 +156,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return self._decode.decode_attention(
             q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
-            num_splits=self._num_splits, workspace=self._workspace,
+            num_splits=self._num_splits, workspace=self._workspace, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
 
 

@@ -12,13 +12,23 @@ L layers.
 Page 0 is reserved as a dummy (padding for batched page tables; never handed out), so a
 pool of ``num_pages`` pages can store ``(num_pages - 1) * page_size`` tokens.
 Memory per token = 2 (K and V) x L x K x D x bytes per element.
+
+KV cache dtypes (``--kv-cache-dtype``, ``KV_CACHE_DTYPES``):
+
+    auto / bf16 / fp16   k[P, S, K, D] in that float dtype (auto: the model dtype)
+    fp8_e4m3             k[P, S, K, D] float8_e4m3fn + k_scale[layer] [K] float32, static
+                         per layer and kv head (calibrated at start-up, or from a file):
+                         stored = clamp(x / scale, +-448) in e4m3, read = stored * scale
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["PageAllocator", "KVPool", "kv_bytes_per_token"]
+__all__ = ["KV_CACHE_DTYPES", "KVPool", "PageAllocator", "kv_bytes_per_token", "kv_storage_dtype"]
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3")
+_FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class PageAllocator:
@@ -88,8 +98,22 @@ class PageAllocator:
         assert sum(self._is_free) == len(free), "free bitmap out of sync with free list"
 
 
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """Element dtype of the K/V pages for ``--kv-cache-dtype`` (auto: the model dtype).
+
+    Raises ValueError for a name not in ``KV_CACHE_DTYPES``."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in _FLOAT_KV:
+        return _FLOAT_KV[kv_cache_dtype]
+    if kv_cache_dtype == "fp8_e4m3":
+        return torch.float8_e4m3fn
+    raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}; choices: {', '.join(KV_CACHE_DTYPES)}")
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of KV cache one token takes across all layers: 2 x L x K x D x elem size."""
+    """Bytes of KV cache one token takes across all layers: 2 x L x K x D x elem size
+    (page data only; per-layer FP8 scales are counted in ``KVPool.metadata_bytes``)."""
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -98,6 +122,12 @@ class KVPool:
 
     ``k[layer]`` and ``v[layer]`` are plain tensors; attention backends write into and
     read from them through page tables. Page 0 is zero-filled padding; other pages hold garbage until written.
+
+    ``dtype`` is the model dtype; ``kv_cache_dtype`` picks the page format (module doc).
+    An FP8 pool needs ``k_scales``/``v_scales`` [L, K] float32, finite and > 0 (from
+    ``radixlm.runtime.kv_calibration``); ``k_scale[layer]``/``v_scale[layer]`` are then the
+    [K] rows on the pool's device (None for float pools). Raises ValueError on missing or
+    unusable scales.
     """
 
     def __init__(
@@ -109,14 +139,28 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_cache_dtype: str = "auto",
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.model_dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.dtype = kv_storage_dtype(kv_cache_dtype, dtype)  # element dtype of the pages
         self.device = torch.device(device)
+        self.quantised = self.dtype == torch.float8_e4m3fn
+        self.k_scale: list[torch.Tensor | None] = [None] * num_layers
+        self.v_scale: list[torch.Tensor | None] = [None] * num_layers
+        if self.quantised:
+            for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+                _check_scales(name, scales, num_layers, num_kv_heads)
+            assert k_scales is not None and v_scales is not None
+            self.k_scale = list(k_scales.to(self.device, torch.float32).unbind(0))
+            self.v_scale = list(v_scales.to(self.device, torch.float32).unbind(0))
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [self._new(shape) for _ in range(num_layers)]
         self.v = [self._new(shape) for _ in range(num_layers)]
@@ -130,7 +174,13 @@ class KVPool:
 
     @property
     def bytes_per_token(self) -> int:
+        """Page bytes per token (K and V, all layers), metadata excluded."""
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Bytes of scales beside the pages (FP8: 2 x L x K float32)."""
+        return 2 * self.num_layers * self.num_kv_heads * 4 if self.quantised else 0
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         """Copy ``pages`` of every layer to host memory (pinned on CUDA, so the copy is
@@ -139,22 +189,42 @@ class KVPool:
         index = torch.tensor(pages, dtype=torch.int64, device=self.device)
         shape = (self.num_layers, 2, len(pages), self.page_size, self.num_kv_heads, self.head_dim)
         host = torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        raw = _raw(host)  # FP8 pages move as their bytes (no index ops for float8 on CPU)
         for layer in range(self.num_layers):
-            host[layer, 0].copy_(self.k[layer].index_select(0, index), non_blocking=True)
-            host[layer, 1].copy_(self.v[layer].index_select(0, index), non_blocking=True)
+            raw[layer, 0].copy_(_raw(self.k[layer]).index_select(0, index), non_blocking=True)
+            raw[layer, 1].copy_(_raw(self.v[layer]).index_select(0, index), non_blocking=True)
         return host
 
     def write_pages(self, pages: list[int], host: torch.Tensor) -> None:
         """Inverse of ``read_pages``: ``host`` ``[layers, 2, len(pages), S, K, D]`` into
-        ``pages``. Raises ValueError on a shape mismatch."""
+        ``pages``. Raises ValueError on a shape or dtype mismatch."""
         expected = (self.num_layers, 2, len(pages), self.page_size, self.num_kv_heads, self.head_dim)
         if tuple(host.shape) != expected:
             raise ValueError(f"host KV shape {tuple(host.shape)} != {expected}")
         index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        if host.dtype != self.dtype:
+            raise ValueError(f"host KV dtype {host.dtype} != pool dtype {self.dtype}")
+        raw = _raw(host)
         for layer in range(self.num_layers):
-            self.k[layer].index_copy_(0, index, host[layer, 0].to(self.device, non_blocking=True))
-            self.v[layer].index_copy_(0, index, host[layer, 1].to(self.device, non_blocking=True))
+            _raw(self.k[layer]).index_copy_(0, index, raw[layer, 0].to(self.device, non_blocking=True))
+            _raw(self.v[layer]).index_copy_(0, index, raw[layer, 1].to(self.device, non_blocking=True))
 
     @property
     def total_bytes(self) -> int:
-        return self.bytes_per_token * self.num_pages * self.page_size
+        """Pages (the dummy page included) plus metadata."""
+        return self.bytes_per_token * self.num_pages * self.page_size + self.metadata_bytes
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of an FP8 tensor (same shape, uint8); float tensors unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _check_scales(name: str, scales: torch.Tensor | None, num_layers: int, num_kv_heads: int) -> None:
+    """ValueError unless ``scales`` is a finite, positive [L, K] tensor."""
+    if scales is None:
+        raise ValueError(f"an fp8_e4m3 KV pool needs {name} (per-layer, per-kv-head); none given")
+    if tuple(scales.shape) != (num_layers, num_kv_heads):
+        raise ValueError(f"{name} shape {tuple(scales.shape)} != (layers, kv heads) = {(num_layers, num_kv_heads)}")
+    if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
+        raise ValueError(f"{name} must be finite and > 0")

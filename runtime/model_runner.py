@@ -31,7 +31,8 @@ from radixlm.runtime.attention import TritonAttentionBackend
 from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.grammar import apply_grammar_masks
-from radixlm.runtime.memory_pool import KVPool, kv_bytes_per_token
+from radixlm.runtime.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales, load_kv_scales
+from radixlm.runtime.memory_pool import KVPool, kv_bytes_per_token, kv_storage_dtype
 from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
 from radixlm.runtime.preemption import DEVICE_RATES, SwapCostModel
 from radixlm.runtime.request import Req
@@ -83,13 +84,16 @@ class ModelRunner:
         self.page_size = args.page_size
         cfg = self.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        k_scales, v_scales = self._kv_scales()
         self.num_pages = self._size_pool()
         self.pool = KVPool(self.num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                           self.head_dim, self.dtype, self.device)
+                           self.head_dim, self.dtype, self.device, args.kv_cache_dtype, k_scales, v_scales)
         self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
-        logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s)", self.num_pages - 1,
-                    self.page_size, (self.num_pages - 1) * self.page_size, self.pool.total_bytes / 2**20,
-                    self.dtype, self.device)
+        logger.info("KV pool: %d pages x %d tokens = %d tokens, %d bytes = %.1f MiB incl. %d bytes of "
+                    "metadata (kv cache %s in %s, %d bytes/token; model %s, %s)", self.num_pages - 1,
+                    self.page_size, (self.num_pages - 1) * self.page_size, self.pool.total_bytes,
+                    self.pool.total_bytes / 2**20, self.pool.metadata_bytes, args.kv_cache_dtype,
+                    str(self.pool.dtype).removeprefix("torch."), self.pool.bytes_per_token, self.dtype, self.device)
         # The last launch's sampled ids stay on the device: the next launch may feed them
         # before the host has read them (overlap scheduling). _prev_rows: request -> row.
         # A step samples at most one row per running request.
@@ -108,10 +112,29 @@ class ModelRunner:
         max_pages = -(-self.context_length // self.page_size)
         return CudaGraphRunner(self.model, self.pool, max_bs, max_pages, self._prev_ids)
 
+    def _kv_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """FP8 KV scales [L, K] from --kv-scales-path or a calibration pass (None, None for
+        float caches). Raises KVScalesError (the server does not start) when unusable."""
+        args, cfg = self.args, self.config
+        if args.kv_cache_dtype != "fp8_e4m3":
+            return None, None
+        if args.kv_scales_path:
+            scales = load_kv_scales(args.kv_scales_path, cfg.num_hidden_layers, cfg.num_key_value_heads)
+            logger.info("FP8 KV scales loaded from %s", args.kv_scales_path)
+            return scales
+        ids = self.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"]
+        scales = calibrate_kv_scales(self.model, ids, self.page_size, self.device, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the calibration pool is not counted as used by _size_pool
+        logger.info("FP8 KV scales calibrated on %d tokens of %s: K %.3g..%.3g, V %.3g..%.3g", len(ids),
+                    CALIBRATION_TEXT.name, scales[0].min(), scales[0].max(), scales[1].min(), scales[1].max())
+        return scales
+
     def _size_pool(self) -> int:
         """Pages (including the dummy page 0) from --max-total-tokens or the memory fraction."""
         cfg, args = self.config, self.args
-        per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, self.dtype)
+        kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
+        per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, kv_dtype)
         tokens = args.max_total_tokens
         source = "--max-total-tokens"
         if tokens is None and self.device.type == "cuda":

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from radixlm.radix import EVICTION_POLICIES
+from radixlm.runtime.memory_pool import KV_CACHE_DTYPES
 from radixlm.runtime.preemption import PREEMPTION_POLICIES
 from radixlm.runtime.schedule_policy import PREEMPTION_MODES
 from radixlm.runtime.waiting_order import SCHEDULE_POLICIES
@@ -87,6 +88,19 @@ class ServerArgs:
         ("auto", "float32", "float16", "bfloat16"),
     )
     page_size: int = _opt(16, "Tokens per KV-cache page.")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV-cache page format: 'auto' (the model dtype), 'bf16', 'fp16', 'fp8_e4m3' (half "
+        "the bytes of bf16; per-layer, per-kv-head scales from --kv-scales-path or a "
+        "calibration pass at start-up).",
+        KV_CACHE_DTYPES,
+    )
+    kv_scales_path: str | None = _opt(
+        None,
+        "JSON file of FP8 KV scales (written by `radixlm.runtime.kv_calibration`); without "
+        "it fp8_e4m3 calibrates on bundled text at start-up (the server does not start "
+        "without usable scales).",
+    )
     max_total_tokens: int | None = _opt(
         None, "KV pool capacity in tokens (overrides --mem-fraction-static)."
     )
@@ -224,6 +238,10 @@ class ServerArgs:
         """Raise ValueError on inconsistent settings (no I/O)."""
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_scales_path is not None and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError("--kv-scales-path only applies to --kv-cache-dtype fp8_e4m3")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page")
         if not 0.0 < self.mem_fraction_static < 1.0:

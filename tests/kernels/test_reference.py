@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixlm.kernels import reference
 from radixlm.kernels.reference import gather_kv, paged_attention, paged_decode_attention, store_kv
 
 HEAD_DIM = 8
@@ -146,3 +147,34 @@ def test_paged_decode_attention_matches_dense(page_size: int, num_heads: int, nu
         torch.testing.assert_close(out[b : b + 1].double(), ref, atol=1e-5, rtol=1e-5)
     loop = paged_attention(q, k_pool, v_pool, table, [n - 1 for n in lens], [1] * len(lens), scale)
     torch.testing.assert_close(out, loop, atol=1e-6, rtol=1e-6)
+
+
+def test_int4_keys_per_channel_within_a_page() -> None:
+    """KIVI keys: statistics per (kv head, channel) over the page's tokens; error <= half
+    a step (plus the fp16 rounding of the statistics); a constant channel is exact."""
+    gen = torch.Generator().manual_seed(0)
+    page = torch.randn(16, 2, 8, generator=gen) * torch.tensor([1.0, 10.0, 0.1, 1, 1, 1, 1, 1])
+    page[:, 1, 3] = 2.5  # constant channel
+    packed, scale, zero = reference.quantize_int4(page, dim=0)
+    assert packed.shape == (16, 2, 4) and packed.dtype == torch.uint8
+    assert scale.shape == zero.shape == (1, 2, 8) and scale.dtype == torch.float16
+    back = reference.dequantize_int4(packed, scale, zero)
+    assert float(back[:, 1, 3].sub(2.5).abs().max()) == 0.0
+    step = scale.float()
+    assert bool(((back - page).abs() <= step / 2 + 1e-3 * page.abs() + 1e-3).all())
+    torch.testing.assert_close(back.amin(0), page.amin(0), atol=2e-3, rtol=2e-3)  # min is a code point
+    # Nibble order: element 2i low, 2i + 1 high.
+    codes = torch.round((page - zero.float()) / scale.float()).clamp(0, 15).to(torch.uint8)
+    assert torch.equal(packed & 0xF, codes[..., 0::2]) and torch.equal(packed >> 4, codes[..., 1::2])
+
+
+def test_int4_values_per_token_groups() -> None:
+    gen = torch.Generator().manual_seed(1)
+    v = torch.randn(5, 2, 64, generator=gen)
+    packed, scale, zero = reference.quantize_int4(v.view(5, 2, 2, 32), dim=-1)
+    assert packed.shape == (5, 2, 2, 16) and scale.shape == (5, 2, 2, 1)
+    back = reference.dequantize_int4(packed, scale, zero).view(5, 2, 64)
+    err = (back - v).abs().view(5, 2, 2, 32)
+    assert bool((err <= scale.float() / 2 + 2e-3).all())
+    rel = float((back - v).norm() / v.norm())
+    assert 0.02 < rel < 0.15, rel  # 16 levels over each group's range

@@ -1,0 +1,44 @@
+"""The server with an FP8 KV cache (SmolLM2, CPU): calibrated at start-up, answers, reuses
+FP8 prefix pages through the radix cache with the same tokens, logs its capacity; and
+refuses to start with an unusable scales file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+PROMPT = "List three facts about the Moon. " * 8  # ~64 tokens
+
+
+def test_fp8_server_answers_and_shares_fp8_prefix_pages(server_factory, idle_invariants):
+    with server_factory(kv_cache_dtype="fp8_e4m3", max_total_tokens=4096, log_level="info") as srv:
+        with srv.client() as c:
+            body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+            first = c.post("/generate", json=body).json()
+            second = c.post("/generate", json=body).json()
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            chat = c.post("/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16, "temperature": 0}).json()  # fmt: skip
+        n = first["meta_info"]["prompt_tokens"]
+        assert second["meta_info"]["cached_tokens"] == (n - 1) // 16 * 16
+        assert second["output_ids"] == first["output_ids"] and len(first["output_ids"]) == 12
+        assert "Paris" in chat["choices"][0]["message"]["content"]
+        idle_invariants(srv)
+        log = srv.log()
+    assert "FP8 KV scales calibrated on 1627 tokens" in log
+    # 4096 tokens x 30 layers x 3 kv heads x 64 x 2 (K, V) x 1 byte + the dummy page + 720 B of scales
+    assert "4096 tokens, 47370960 bytes" in log and "720 bytes of metadata" in log
+
+
+def test_server_refuses_to_start_with_unusable_scales(server_factory, tmp_path):
+    path = tmp_path / "scales.json"
+    path.write_text(
+        json.dumps({"format": "radixlm-kv-scales-v1", "k_scale": [[1.0]], "v_scale": [[1.0]]})
+    )
+    with pytest.raises(RuntimeError, match="k_scale must be 30 lists of 3 numbers"):
+        with server_factory(
+            kv_cache_dtype="fp8_e4m3", kv_scales_path=str(path), max_total_tokens=4096
+        ):
+            pass

@@ -1,0 +1,139 @@
+"""FP8 (e4m3) KV pages: Triton store_kv / decode / extend against the reference ops with
+the same per-kv-head scales, and the quantisation error against the float pools.
+
+Tiny fp32 shapes (interpreter without CUDA). Pools keep NaN (fp8 NaN after quantising)
+outside every sequence, so a kernel that reads an unwritten slot shows it.
+
+Dimension letters: T tokens, H query heads, K kv heads, D head dim, P pages, S page size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from radixlm.kernels import reference  # noqa: E402
+from radixlm.kernels.decode_attention import DecodeConfig, decode_attention  # noqa: E402
+from radixlm.kernels.extend_attention import ExtendConfig, extend_attention  # noqa: E402
+from radixlm.kernels.store_kv import store_kv  # noqa: E402
+
+from .conftest import DEVICE, make_paged_case, rel_error  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _scales(num_kv_heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct per-head scales (absmax 5..10 of randn data -> 448), so a wrong head shows."""
+    gen = torch.Generator().manual_seed(seed)
+    k = (torch.rand(num_kv_heads, generator=gen) + 1.0) * 5.0 / 448.0
+    v = (torch.rand(num_kv_heads, generator=gen) + 1.0) * 5.0 / 448.0
+    return k.to(DEVICE), v.to(DEVICE)
+
+
+def _fp8_case(specs, num_heads, num_kv_heads, head_dim, page_size, seed=0):
+    case = make_paged_case(specs, num_heads, num_kv_heads, head_dim, page_size, seed=seed)
+    k_scale, v_scale = _scales(num_kv_heads, seed)
+    k8 = reference.quantize_fp8(case.k_pool, k_scale)
+    v8 = reference.quantize_fp8(case.v_pool, v_scale)
+    return case, k8, v8, k_scale, v_scale
+
+
+def test_quantize_fp8_round_trip_and_saturation() -> None:
+    scale = torch.tensor([0.5, 2.0])
+    x = torch.tensor([[[1.0, -3.0, 1000.0], [1.0, 0.3, -5000.0]]])  # [1, K=2, 3]
+    q = reference.quantize_fp8(x, scale)
+    assert q.dtype == FP8
+    back = reference.dequantize_fp8(q, scale)
+    # 1/0.5 = 2 and -3/0.5 = -6 are exact in e4m3; 1000/0.5 saturates at 448 -> 224.
+    assert back[0, 0].tolist() == [1.0, -3.0, 224.0]
+    # 0.3/2 = 0.15 -> nearest e4m3 0.15625 -> 0.3125; -5000/2 saturates -> -896.
+    assert back[0, 1].tolist() == [1.0, 0.3125, -896.0]
+
+
+def _assert_same_fp8(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bitwise equal on CUDA. The Triton interpreter's float32 -> e4m3 conversion drops the
+    carry when rounding up to the next power of two (126.6 -> 64 instead of 128; seen with
+    triton 3.x on CPU), so there only those elements may differ, by exactly that."""
+    same = out.view(torch.uint8) == ref.view(torch.uint8)
+    if out.is_cuda:
+        assert bool(same.all())
+        return
+    got, want = out.float()[~same], ref.float()[~same]
+    assert bool((got * 2 == want).all()) and bool((want.abs().log2() % 1 == 0).all()), (got, want)
+    assert int((~same).sum()) < same.numel() // 20
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "head_dim", "page_size"), [(1, 64, 4), (3, 32, 16), (2, 128, 1)]
+)
+def test_store_kv_fp8_matches_reference_bitwise(num_kv_heads, head_dim, page_size) -> None:
+    num_pages, num_tokens = 6, 9
+    gen = torch.Generator().manual_seed(3)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_pool = torch.full(shape, float("nan")).to(FP8).to(DEVICE)
+    v_pool = k_pool.clone()
+    slots = (
+        torch.randperm((num_pages - 1) * page_size, generator=gen)[:num_tokens] + page_size
+    ).to(DEVICE)
+    qkv = torch.randn(len(slots), 3 * num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    k, v = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 2 * num_kv_heads :]  # strided views
+    k[0, 0, 0] = 1e6  # saturates
+    k_scale, v_scale = _scales(num_kv_heads, 1)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    reference.store_kv(k_ref, v_ref, k, v, slots, k_scale, v_scale)
+    store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale)
+    _assert_same_fp8(k_pool, k_ref)
+    _assert_same_fp8(v_pool, v_ref)
+    written = reference.dequantize_fp8(k_ref.view(-1, num_kv_heads, head_dim)[slots], k_scale)
+    assert float(written[0, 0, 0]) == pytest.approx(448.0 * float(k_scale[0]))
+    # Quantisation error of unsaturated values: within half an e4m3 step (2^-4 relative).
+    err = (written.flatten()[1:] - k.flatten()[1:]).abs()
+    bound = k.flatten()[1:].abs() / 16 + float(k_scale.max()) * 2**-9
+    assert bool((err <= bound).all())
+
+
+@pytest.mark.parametrize(
+    ("page_size", "num_heads", "num_kv_heads"), [(1, 4, 4), (4, 8, 2), (16, 6, 2)]
+)
+def test_decode_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> None:
+    lens = [1, 7, 38, 75]
+    case, k8, v8, k_scale, v_scale = _fp8_case(
+        [(n - 1, 1) for n in lens], num_heads, num_kv_heads, 32, page_size
+    )
+    ref = reference.paged_attention(case.q, k8, v8, case.page_table, case.prefix, case.extend,
+                                    case.scale, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    batched = reference.paged_decode_attention(case.q, k8, v8, case.page_table, lens, case.scale,
+                                               k_scale, v_scale)  # fmt: skip
+    assert rel_error(batched, ref) < 1e-5
+    for num_splits in (1, 3):
+        out = decode_attention(case.q, k8, v8, case.page_table, case.seq_lens, case.scale,
+                               num_splits=num_splits, config=DecodeConfig(block_n=16, num_warps=2, num_stages=1),
+                               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        assert rel_error(out, ref) < 1e-5, num_splits
+    exact = reference.paged_attention(case.q, case.k_pool, case.v_pool, case.page_table, case.prefix,
+                                      case.extend, case.scale)  # fmt: skip
+    err = rel_error(ref, exact)
+    assert 1e-3 < err < 0.08, err  # e4m3 keeps 3 mantissa bits: a few percent, never zero
+
+
+@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 4, 4), (16, 8, 2)])
+def test_extend_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> None:
+    specs = [(0, 19), (13, 5), (40, 33)]
+    case, k8, v8, k_scale, v_scale = _fp8_case(
+        specs, num_heads, num_kv_heads, 32, page_size, seed=2
+    )
+    ref = reference.paged_attention(case.q, k8, v8, case.page_table, case.prefix, case.extend,
+                                    case.scale, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    out = extend_attention(case.q, k8, v8, case.page_table, case.cu_extend, case.prefix_lens, case.scale,
+                           max_extend_len=case.max_extend, config=ExtendConfig(block_m=16, block_n=16),
+                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    assert rel_error(out, ref) < 1e-5
+
+
+def test_fp8_pool_requires_scales() -> None:
+    case = make_paged_case([(3, 1)], 4, 2, 32, 4)
+    k8 = case.k_pool.to(FP8)
+    with pytest.raises(AssertionError):
+        decode_attention(case.q, k8, k8, case.page_table, case.seq_lens, case.scale)
