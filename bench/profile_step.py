@@ -1,0 +1,71 @@
+"""Where the scheduler process's host time goes: the real Scheduler + ModelRunner in one
+process (no HTTP), B streaming requests decoding, a cProfile of N steps.
+
+    python bench/profile_step.py --shape smollm2 --tokenizer-dir tok/ --batch 64 --out $OUT
+
+Prints ms per step (wall) and the top functions by own time and by cumulative time; on a
+GPU the device work is queued asynchronously, so the profile is the host's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
+
+from radixlm.runtime import messages as m  # noqa: E402
+from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
+from radixlm.runtime.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.server_args import ServerArgs  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="smollm2")
+    ap.add_argument("--tokenizer-dir", type=Path, required=True)
+    ap.add_argument("--models-root", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16")
+    del model
+    server = ServerArgs(model_path=str(model_dir), device=DEVICE, max_running_requests=args.batch,
+                        max_total_tokens=args.batch * 1024, dtype="bfloat16" if DEVICE == "cuda" else "float32")
+    sched = Scheduler(server, ModelRunner(server))
+    rng = random.Random(0)
+    for i in range(args.batch):
+        sched.handle(m.GenerateReq(
+            rid=f"r{i}", input_ids=[rng.randrange(100, 40000) for _ in range(300)], stream=True,
+            sampling=m.SamplingParams(max_new_tokens=args.steps + 50, ignore_eos=True, temperature=0.0)))
+    for _ in range(10):  # prefill, warm-up
+        sched._safe_step()
+        sched.outbox.clear()
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(args.steps):
+        sched._safe_step()
+        sched.outbox.clear()
+    prof.disable()
+    wall_ms = (time.perf_counter() - start) / args.steps * 1e3
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(35)
+    report = f"batch {args.batch}: {wall_ms:.2f} ms per step (profiled)\n{text.getvalue()}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"profile_step_{args.shape}_b{args.batch}.txt").write_text(report)
+    print(report[:6000])
+
+
+if __name__ == "__main__":
+    main()
