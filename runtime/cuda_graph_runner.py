@@ -40,7 +40,7 @@ from collections.abc import Hashable
 
 import torch
 
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.forward_batch import ForwardBatch, to_device
 from radixlm.runtime.memory_pool import KVPool
 
 __all__ = ["CudaGraphRunner", "PageTableRows", "graph_batch_sizes"]
@@ -204,7 +204,7 @@ class CudaGraphRunner:
         """Device page-table row of each request, after copying the changed page ids."""
         rows, updates = self.tables.sync(keys, page_tables)
         if updates:
-            u = torch.tensor(updates, dtype=torch.int64).to(self.req_pages.device, non_blocking=True)
+            u = to_device(torch.tensor(updates, dtype=torch.int64), self.req_pages.device)
             self.req_pages[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
         return rows
 

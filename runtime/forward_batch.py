@@ -20,7 +20,21 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ForwardBatch"]
+__all__ = ["ForwardBatch", "to_device"]
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a CPU tensor to ``device`` without making the host wait for the device.
+
+    A copy from pageable host memory makes the CUDA driver synchronise with the stream
+    first (the host would wait for every kernel queued before it, which defeats overlap
+    scheduling); the copy goes through pinned memory (PyTorch's caching host allocator)
+    instead. On the CPU the tensor is returned as is.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -91,13 +105,13 @@ class ForwardBatch:
             cu.append(cu[-1] + n)
 
         def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
         return cls(
             input_ids=t(flat_ids, torch.int64),
             positions=t(positions, torch.int64),
-            page_table=table.to(device, non_blocking=True),
+            page_table=to_device(table, device),
             prefix_lens=t(prefix_lens, torch.int32),
             extend_lens=t(extend_lens, torch.int32),
             seq_lens=t(seq_lens, torch.int32),

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from radixlm.runtime.forward_batch import to_device
+
 __all__ = [
     "GRAMMAR_KINDS",
     "GrammarCache",
@@ -162,4 +164,4 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: list[Any | None]) -> Non
     bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device), indices=rows)

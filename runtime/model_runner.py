@@ -29,7 +29,7 @@ import torch
 from radixlm.runtime import messages as m
 from radixlm.runtime.attention import TritonAttentionBackend
 from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.forward_batch import ForwardBatch, to_device
 from radixlm.runtime.grammar import apply_grammar_masks
 from radixlm.runtime.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales, load_kv_scales
 from radixlm.runtime.memory_pool import KVPool, kv_bytes_per_token, kv_storage_dtype
@@ -207,8 +207,8 @@ class ModelRunner:
         else:
             batch, rows = self.prepare(items, inputs)
             if inflight:
-                flat = torch.tensor([i for i, _ in inflight], device=self.device)
-                src = torch.tensor([r for _, r in inflight], device=self.device)
+                flat = to_device(torch.tensor([i for i, _ in inflight]), self.device)
+                src = to_device(torch.tensor([r for _, r in inflight]), self.device)
                 batch.input_ids[flat] = self._prev_ids[src]
             hidden = self.model.forward(batch, self.pool)
         logits = self.model.compute_logits(hidden)  # [N, V] float32
@@ -318,7 +318,12 @@ class ModelRunner:
         sb = SamplingBatch.build(infos, self.device)
         matchers = [self._grammar_for_step(req) for req in reqs]
         mask = partial(apply_grammar_masks, matchers=matchers) if any(m is not None for m in matchers) else None
-        out = sample(logits[[r for _, r in picks]], sb, self.generator, top_k_logprobs=top_k, logits_mask=mask)
+        sample_rows = [r for _, r in picks]
+        if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
+            chosen = logits[sample_rows[0] : sample_rows[0] + len(sample_rows)]  # a view: no index copy
+        else:
+            chosen = logits[to_device(torch.tensor(sample_rows), self.device)]
+        out = sample(chosen, sb, self.generator, top_k_logprobs=top_k, logits_mask=mask)
         self._prev_ids[: len(picks)].copy_(out.next_ids)  # inputs of the next launch (overlap)
         self._prev_rows = {req: k for k, req in enumerate(reqs)}
         step.picks, step.sampled = [i for i, _ in picks], out

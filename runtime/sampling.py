@@ -55,6 +55,8 @@ from itertools import chain
 import torch
 from torch import Tensor
 
+from radixlm.runtime.forward_batch import to_device
+
 __all__ = ["SampleResult", "SamplingBatch", "SamplingInfo", "apply_penalties", "sample"]
 
 GREEDY_EPS = 1e-5  # temperature below this means greedy
@@ -158,9 +160,10 @@ class SamplingBatch:
             [p.repetition_penalty for p in params],
             [p.frequency_penalty for p in params],
             [p.presence_penalty for p in params],
-        ], dtype=torch.float32).to(device, non_blocking=True)
-        ints = torch.tensor([[p.top_k if p.top_k > 0 else _TOP_K_OFF for p in params], greedy],
-                            dtype=torch.int64).to(device, non_blocking=True)
+        ], dtype=torch.float32)
+        floats = to_device(floats, device)
+        ints = to_device(torch.tensor([[p.top_k if p.top_k > 0 else _TOP_K_OFF for p in params], greedy],
+                                      dtype=torch.int64), device)
         temperatures, top_ps, min_ps, rep, freq, pres = floats.unbind(0)
         unseeded = [i for i in sampled if params[i].seed is None]
         return cls(
@@ -176,7 +179,7 @@ class SamplingBatch:
             seen_ids=seen_ids,
             output_rows=out_rows,
             output_ids=out_ids,
-            unseeded_rows=torch.tensor(unseeded, dtype=torch.int64).to(device, non_blocking=True),
+            unseeded_rows=to_device(torch.tensor(unseeded, dtype=torch.int64), device),
             seeded_rows=tuple(seeded),
             seed_keys=tuple(_mix_seed(params[i].seed, params[i].step) for i in seeded),
             max_token_id=max(seen_max, out_max),
@@ -319,8 +322,8 @@ def _exponential_noise(
         draw = torch.empty(batch.unseeded_rows.numel(), vocab, device=draw_device)
         q[batch.unseeded_rows] = draw.exponential_(generator=generator).to(batch.device)
     if batch.seeded_rows:
-        rows = torch.tensor(batch.seeded_rows, device=batch.device)
-        keys = torch.tensor([_as_int64(k) for k in batch.seed_keys], dtype=torch.int64).to(batch.device)
+        rows = to_device(torch.tensor(batch.seeded_rows), batch.device)
+        keys = to_device(torch.tensor([_as_int64(k) for k in batch.seed_keys], dtype=torch.int64), batch.device)
         q[rows] = _seeded_noise(keys, vocab)
     return q.clamp_min_(torch.finfo(torch.float32).tiny)  # q = 0 would give p / 0
 
@@ -400,4 +403,4 @@ def _flatten_ids(
     lengths = torch.tensor([len(row_ids) for _, row_ids in per_row], dtype=torch.int64)
     rows = rows.repeat_interleave(lengths)
     max_id = int(ids.max()) if ids.numel() else -1  # host side: sample() need not sync
-    return rows.to(device), ids.to(device), max_id
+    return to_device(rows, device), to_device(ids, device), max_id
