@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from radixlm.runtime.grammar import check_grammar
 from radixlm.runtime.messages import SamplingParams
+from radixlm.runtime.stop_regex import check_stop_regex
 
 __all__ = [
     "NativeSamplingParams",
@@ -55,6 +56,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: StopField = None
+    stop_regex: StopField = None  # SGLang's name: stop once the output text matches a pattern
     stop_token_ids: list[TokenIdInt] | None = None
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)  # seed + i (n <= 128) fits too
@@ -64,6 +66,13 @@ class _Sampling(BaseModel):
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
+
+    @field_validator("stop_regex", mode="after")
+    @classmethod
+    def _stop_patterns(cls, v: StopField) -> tuple[str, ...]:
+        patterns = () if v is None else (v,) if isinstance(v, str) else tuple(v)
+        check_stop_regex(patterns)
+        return patterns
 
     @field_validator("json_schema", mode="after")
     @classmethod
@@ -92,7 +101,7 @@ class _Sampling(BaseModel):
         return dict(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty, stop=_stop_tuple(self.stop),
+            presence_penalty=self.presence_penalty, stop=_stop_tuple(self.stop), stop_regex=self.stop_regex,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             seed=self.seed, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

@@ -72,6 +72,7 @@ class Req:
     # (token, accepted) fed to ``grammar`` by the model runner before the scheduler read the
     # token (overlap: the next step's mask needs it); the scheduler consumes them in order.
     grammar_ahead: list[tuple[int, bool]] = field(default_factory=list)
+    stop_text: Any = None  # IncrementalDetokenizer of the output, kept by StopChecker for stop_regex
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:
