@@ -86,7 +86,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._pending = ""  # decoded, not yet emitted (a possible stop-string prefix)
-        self._text = ""  # everything emitted
+        self._deltas: list[str] = []  # everything emitted
         self._finished = False
         self.num_pushed = 0  # output ids pushed so far
         self.stopped = False
@@ -95,7 +95,7 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """All text emitted so far (the concatenation of every delta returned)."""
-        return self._text
+        return "".join(self._deltas)
 
     @property
     def finished(self) -> bool:
@@ -149,7 +149,8 @@ class IncrementalDetokenizer:
             hold = 0 if final else self._hold_len()
             cut = len(self._pending) - hold
             delta, self._pending = self._pending[:cut], self._pending[cut:]
-        self._text += delta
+        if delta:
+            self._deltas.append(delta)
         return delta
 
     def _first_match(self) -> tuple[int, int, str] | None:
@@ -157,12 +158,13 @@ class IncrementalDetokenizer:
         first (ties: earliest start); a regex match may start before ``pending`` (< 0)."""
         best = _first_stop(self._pending, self._stop)
         if self._stop_regex:
+            emitted = self.text
             try:
-                m = first_match(self._stop_regex, self._text + self._pending)
+                m = first_match(self._stop_regex, emitted + self._pending)
             except TimeoutError:  # the scheduler aborts the request
                 m = None
             if m is not None:
-                base = len(self._text)
+                base = len(emitted)
                 candidate = (m.start - base, m.end - base, m.pattern)
                 if best is None or (candidate[1], candidate[0]) < (best[1], best[0]):
                     best = candidate
@@ -172,12 +174,13 @@ class IncrementalDetokenizer:
         """Length of the tail of ``pending`` that may still become part of a stop."""
         hold = _stop_prefix_len(self._pending, self._stop)
         if self._stop_regex:
+            emitted = self.text
             try:
-                start = partial_start(self._stop_regex, self._text + self._pending, len(self._text))
+                start = partial_start(self._stop_regex, emitted + self._pending, len(emitted))
             except TimeoutError:
                 start = None
             if start is not None:
-                hold = max(hold, len(self._text) + len(self._pending) - start)
+                hold = max(hold, len(emitted) + len(self._pending) - start)
         return hold
 
 

@@ -16,7 +16,9 @@ refused (HTTP 400 at the tokenizer process, like one that does not compile); a s
 that runs longer than ``SEARCH_TIMEOUT_S`` (catastrophic backtracking) raises
 ``TimeoutError`` (the scheduler then aborts the request, so one pattern cannot stall
 every other request). Text held back for a partial match can be long for patterns like
-``a.*b`` (everything after an ``a`` until a ``b`` shows up or the request ends).
+``a.*b`` (everything after an ``a`` until a ``b`` shows up or the request ends). Cost: a
+request with stop regexes searches its whole output text once per step in each process
+(O(output length) per step); requests without them pay nothing.
 """
 
 from __future__ import annotations

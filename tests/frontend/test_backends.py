@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from radixlm.frontend import BackendError, Runtime, assistant, function, gen, select, user
+from radixlm.frontend import BackendError, OpenAI, Runtime, assistant, function, gen, select, user
 
 
 @function
@@ -86,6 +86,31 @@ def test_openai_backend_select_says_why_an_api_cannot(openai_backend, monkeypatc
     monkeypatch.setattr(openai_backend.http, "post", no_logprobs)
     with pytest.raises(NotImplementedError, match="returned none"):
         pick.run(prompt="The capital of France is", options=[" Paris", " Rome"], backend=openai_backend)
+
+
+def test_openai_backend_select_skips_a_leading_bos_token_string(monkeypatch):
+    """An API whose echo starts with a BOS token ("<s>", no prompt text) and whose prompt
+    tail merges with an option (C21): scoring starts where the rows part, the prompt's own
+    tail token is subtracted, and the BOS does not count as option text."""
+    rows = {  # prompt -> (tokens, token_logprobs) as an echo with max_tokens=0 returns them
+        "Say hi.\n ": (["<s>", "Say", " hi", ".", "\n "], [None, -5.0, -2.0, -1.0, -4.0]),
+        "Say hi.\n Hello": (["<s>", "Say", " hi", ".", "\n", " Hello"], [None, -5.0, -2.0, -1.0, -0.5, -0.25]),
+        "Say hi.\n ^*B": (["<s>", "Say", " hi", ".", "\n", " ^*", "B"], [None, -5.0, -2.0, -1.0, -0.5, -6.0, -3.0]),
+    }
+
+    def echo(path, body):
+        assert body["prompt"][-1] == "Say hi.\n " and body["max_tokens"] == 0 and body["echo"] is True
+        return {"choices": [{"index": i, "text": p, "logprobs": {"tokens": rows[p][0], "token_logprobs": rows[p][1]}}
+                            for i, p in enumerate(body["prompt"])]}
+
+    backend = OpenAI("m", base_url="http://127.0.0.1:9/v1")
+    monkeypatch.setattr(backend.http, "post", echo)
+    state = pick.run(prompt="Say hi.\n ", options=["Hello", "^*B"], backend=backend)
+    meta = state.get_meta_info("c")
+    assert meta["scoring_start"] == 4 and meta["num_tokens"] == [1, 2]
+    assert meta["prompt_tail_logprob"] == -4.0
+    assert meta["logprobs"] == [-0.75 + 4.0, -9.5 + 4.0]
+    assert state["c"] == "Hello" and meta["scores"] == [3.25, -5.5 / 2]
 
 
 def test_openai_backend_refuses_what_the_api_cannot_express(openai_backend):
