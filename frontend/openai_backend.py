@@ -7,9 +7,9 @@
   ``/v1/completions``. A ``gen`` inside a partly written message, or in another role,
   cannot be expressed in these APIs: ValueError.
 - ``json_schema`` becomes ``response_format: {"type": "json_schema", ...}`` on chat
-  requests; ``regex`` and ``ebnf`` (and ``json_schema`` on completions) have no OpenAI
-  form and are sent as the extra body fields radixlm and SGLang accept (another
-  server may refuse them).
+  requests; ``regex``, ``ebnf`` and ``stop_regex`` (and ``json_schema`` on completions)
+  have no OpenAI form and are sent as the extra body fields radixlm and SGLang accept
+  (another server may refuse them).
 - ``select`` (outside any role, like a completions ``gen``) scores the options through
   ``/v1/completions`` with ``echo``, ``logprobs=0`` and ``max_tokens=0``: one request
   whose prompts are ``text + option`` for each option and ``text`` itself; the echoed
@@ -64,6 +64,8 @@ class OpenAI(Backend):
         for extra in ("regex", "ebnf"):
             if getattr(params, extra) is not None:
                 body[extra] = getattr(params, extra)
+        if params.stop_regex:
+            body["stop_regex"] = list(params.stop_regex)
         for native, name in _OPENAI_NAMES.items():
             value = getattr(params, native)
             if native == "max_new_tokens" or value != SamplingParams.__dataclass_fields__[native].default:
