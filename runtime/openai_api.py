@@ -81,9 +81,9 @@ class _Choice:
     def add(self, c: SampleChunk) -> None:
         if self.echo is not None:  # c is the sample's first chunk: it carries the prompt logprobs
             (self.text, ids), self.echo = self.echo, None
-            self.ids = list(ids)
-            self.logprobs = list(c.prompt_logprobs or [])
-            self.top = list(c.prompt_top_logprobs or [])
+            self.ids = list(ids)  # one logprob per prompt token (the scheduler may report more)
+            self.logprobs = list(c.prompt_logprobs or [])[: len(ids)]
+            self.top = list(c.prompt_top_logprobs or [])[: len(ids)]
         self.text += c.text
         self.ids += c.token_ids
         self.logprobs += c.logprobs or []
