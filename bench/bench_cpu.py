@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _with_server(args.server_args, "radixlm-bench-on.log", radix_on)
     vocab = replay.load_tokenizer(state["info"]).vocab_size
-    state["hf"] = hf_suite(state["info"]["model_path"], args, env, vocab)
+    state["hf"] = hf_suite(state["info"]["model_dir"], args, env, vocab)
     state["off"] = _with_server(
         f"{args.server_args} --disable-radix-cache",
         "radixlm-bench-off.log",

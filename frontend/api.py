@@ -108,8 +108,8 @@ def function(func: Callable[..., Any] | None = None) -> Any:
 
 
 def gen(name: str | None = None, max_tokens: int | None = None, *, min_tokens: int | None = None,
-        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+        stop: str | Sequence[str] | None = None, stop_regex: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
         min_p: float | None = None, frequency_penalty: float | None = None,
         presence_penalty: float | None = None, ignore_eos: bool | None = None,
         seed: int | None = None, regex: str | None = None, json_schema: str | dict | None = None,
@@ -117,17 +117,19 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, min_tokens: i
         top_logprobs_num: int | None = None, choices: Sequence[str] | None = None,
         choices_method: ChoicesMethod | None = None) -> Gen | Select:
     """Generate into variable ``name``: at most ``max_tokens`` tokens, ending before a
-    ``stop`` string. Unset parameters inherit the program's defaults. ``regex``, or
-    ``json_schema`` (a JSON string or a dict), or ``ebnf`` constrains the output (the
-    server must support it). With ``choices`` this is ``select``. Raises re.error for an
-    invalid ``regex``, ValueError if more than one constraint is given."""
+    ``stop`` string or a match of a ``stop_regex`` pattern. Unset parameters inherit the
+    program's defaults. ``regex``, or ``json_schema`` (a JSON string or a dict), or
+    ``ebnf`` constrains the output (the server must support it). With ``choices`` this is
+    ``select``. Raises re.error for an invalid ``regex`` or ``stop_regex``, ValueError if
+    more than one constraint is given."""
     if choices is not None:
         return select(name, choices, choices_method=choices_method or token_length_normalized)
-    if regex is not None:
-        re.compile(regex)
+    for pattern in [regex] + ([stop_regex] if isinstance(stop_regex, str) else list(stop_regex or [])):
+        if pattern is not None:
+            re.compile(pattern)
     if sum(c is not None for c in (regex, json_schema, ebnf)) > 1:
         raise ValueError("give at most one of regex, json_schema, ebnf")
-    overrides = dict(max_new_tokens=max_tokens, min_new_tokens=min_tokens, stop=stop,
+    overrides = dict(max_new_tokens=max_tokens, min_new_tokens=min_tokens, stop=stop, stop_regex=stop_regex,
                      stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k,
                      min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                      ignore_eos=ignore_eos, seed=seed, regex=regex, json_schema=json_schema, ebnf=ebnf,

@@ -30,12 +30,12 @@ Methods (``select(..., choices_method=...)``), higher is better:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ChoicesMethod", "token_length_normalized", "sum_logprob", "ScoringPlan", "plan_scoring",
-           "decide"]
+           "plan_from_tokens", "decide"]
 
 
 @dataclass(frozen=True)
@@ -67,12 +67,17 @@ class ScoringPlan:
     option_tokens: list[int]
 
     @property
+    def scores_prompt_tail(self) -> bool:
+        """Whether the prompt's own tokens after ``start`` are scored (a row of their own)."""
+        return len(self.prompt_ids) > self.start
+
+    @property
     def rows(self) -> list[list[int]]:
         """Every row to send: the joint rows, then the prompt if its tail is scored."""
-        return self.joint + ([self.prompt_ids] if len(self.prompt_ids) > self.start else [])
+        return self.joint + ([self.prompt_ids] if self.scores_prompt_tail else [])
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -86,8 +91,14 @@ def plan_scoring(prompt: str, choices: Sequence[str], encode: Callable[[str], li
     """Tokenise ``prompt`` and each ``prompt + choice`` and find ``start`` (module doc).
     Raises ValueError if ``start`` is 0 (the first token has no logprob: the prompt
     needs text) or an option adds no token."""
-    prompt_ids = encode(prompt)
-    joint = [encode(prompt + c) for c in choices]
+    return plan_from_tokens(prompt, encode(prompt), [encode(prompt + c) for c in choices], decode)
+
+
+def plan_from_tokens(prompt: str, prompt_ids: list, joint: list[list], decode: Callable[[Sequence], str]) -> ScoringPlan:
+    """``plan_scoring`` from tokenisations made elsewhere: ``prompt_ids`` of ``prompt``,
+    ``joint[i]`` of ``prompt + choice i``. Tokens may be ids or token strings (any
+    comparable values ``decode`` turns into text, e.g. ``"".join`` of an OpenAI
+    ``logprobs.tokens`` list). Raises ValueError like plan_scoring."""
     start = min(_common_prefix(prompt_ids, j) for j in joint)
     if start == 0:
         raise ValueError("select needs a prompt whose first token does not change with the option")
@@ -96,7 +107,7 @@ def plan_scoring(prompt: str, choices: Sequence[str], encode: Callable[[str], li
     return ScoringPlan(start, joint, prompt_ids, [_option_tokens(prompt, j, start, decode) for j in joint])
 
 
-def _option_tokens(prompt: str, ids: list[int], start: int, decode: Callable[[Sequence[int]], str]) -> int:
+def _option_tokens(prompt: str, ids: list, start: int, decode: Callable[[Sequence], str]) -> int:
     """Tokens of ``ids[start:]`` after the leading ones that decode to prompt text only."""
     first = start
     while first < len(ids) - 1 and prompt.startswith(decode(ids[:first + 1])):

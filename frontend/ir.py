@@ -26,7 +26,8 @@ class SamplingParams:
     """Sampling parameters of one ``gen``, with SGLang's native ``/generate`` names.
 
     ``max_new_tokens`` counts tokens; ``stop`` holds strings that end the generation (not
-    included in the output); ``regex`` / ``json_schema`` (a JSON string) / ``ebnf``
+    included in the output), ``stop_regex`` patterns that do the same when the output
+    text matches (the server must support them: radixlm and SGLang do); ``regex`` / ``json_schema`` (a JSON string) / ``ebnf``
     constrain the output (the server must support constrained decoding; one at most).
     ``return_logprob`` and the fields after it are request-level options of ``/generate``
     whose results land in the variable's meta info.
@@ -35,6 +36,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
+    stop_regex: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     temperature: float = 1.0
     top_p: float = 1.0
@@ -97,7 +99,7 @@ class SamplingParams:
 
 
 def _normalise(name: str, value: Any) -> Any:
-    if name == "stop":
+    if name in ("stop", "stop_regex"):
         return (value,) if isinstance(value, str) else tuple(value)
     if name == "stop_token_ids":
         return tuple(value)

@@ -32,6 +32,9 @@ occurrence *ends first* wins (ties: the earliest start), i.e. what a character-b
 stream would hit first, so the result is independent of chunking. Without a match, the
 longest suffix of ``pending`` that is a prefix of some stop string is held back, so no
 delta ever carries a fragment of a stop string that later matches; ``finish()`` flushes.
+Stop regexes (runtime/stop_regex.py) take part the same way: they are searched over the
+whole output text (emitted + pending), the match that ends first among strings and
+regexes wins, and the text from the leftmost partial match on is held back.
 
 Contract: for any chunking of the ids, the concatenated deltas equal
 ``final_text(...)``, which runs this same machine in one push (agreement by
@@ -46,6 +49,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from radixlm.runtime.stop_regex import first_match, partial_start
+
 __all__ = ["IncrementalDetokenizer", "final_text", "PROMPT_CONTEXT_IDS"]
 
 PROMPT_CONTEXT_IDS = 5  # prompt ids decoded as left context (leading-space handling)
@@ -56,9 +61,11 @@ class IncrementalDetokenizer:
     """Turns a stream of output ids into text deltas for one sample.
 
     ``push(ids)`` returns the newly emittable text; ``finish()`` flushes what is held
-    back (an incomplete UTF-8 tail, a possible stop-string prefix) and returns the last
-    delta. After a stop string matched, ``stopped`` is True, ``matched_stop`` names it,
-    and nothing more is ever emitted. Not thread-safe; one instance per sample.
+    back (an incomplete UTF-8 tail, a possible stop-string prefix or partial stop-regex
+    match) and returns the last delta. After a stop string (or regex) matched, ``stopped``
+    is True, ``matched_stop`` names it (the pattern for a regex), and nothing more is ever
+    emitted. A stop regex search that times out counts as no match. Not thread-safe; one
+    instance per sample.
     """
 
     def __init__(
@@ -68,17 +75,20 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        stop_regex: Sequence[str] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(s for s in stop if s)  # an empty stop string means nothing
+        self._stop_regex = tuple(stop_regex)
         self._include_stop = include_stop_str_in_output
         self._ids: list[int] = list(prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_IDS) :])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._pending = ""  # decoded, not yet emitted (a possible stop-string prefix)
-        self._deltas: list[str] = []
+        self._deltas: list[str] = []  # everything emitted
         self._finished = False
+        self.num_pushed = 0  # output ids pushed so far
         self.stopped = False
         self.matched_stop: str | None = None
 
@@ -95,6 +105,7 @@ class IncrementalDetokenizer:
         """Adds output ids; returns the text delta that is now safe to emit."""
         if self._finished:
             raise RuntimeError("push() after finish()")
+        self.num_pushed += len(new_ids)
         if self.stopped:
             return ""
         self._ids.extend(new_ids)
@@ -127,20 +138,50 @@ class IncrementalDetokenizer:
         return new_text
 
     def _emit(self, final: bool) -> str:
-        """Moves the emittable part of ``pending`` out, cutting at a stop string."""
-        match = _first_stop(self._pending, self._stop)
+        """Moves the emittable part of ``pending`` out, cutting at a stop string or regex."""
+        match = self._first_match()
         if match is not None:
-            start, stop = match
-            end = start + len(stop) if self._include_stop else start
-            delta, self._pending = self._pending[:end], ""
+            start, end, stop = match
+            cut = max(0, end if self._include_stop else start)
+            delta, self._pending = self._pending[:cut], ""
             self.stopped, self.matched_stop = True, stop
         else:
-            hold = 0 if final else _stop_prefix_len(self._pending, self._stop)
+            hold = 0 if final else self._hold_len()
             cut = len(self._pending) - hold
             delta, self._pending = self._pending[:cut], self._pending[cut:]
         if delta:
             self._deltas.append(delta)
         return delta
+
+    def _first_match(self) -> tuple[int, int, str] | None:
+        """(start, end, stop) in ``pending`` of the stop string or regex match that ends
+        first (ties: earliest start); a regex match may start before ``pending`` (< 0)."""
+        best = _first_stop(self._pending, self._stop)
+        if self._stop_regex:
+            emitted = self.text
+            try:
+                m = first_match(self._stop_regex, emitted + self._pending)
+            except TimeoutError:  # the scheduler aborts the request
+                m = None
+            if m is not None:
+                base = len(emitted)
+                candidate = (m.start - base, m.end - base, m.pattern)
+                if best is None or (candidate[1], candidate[0]) < (best[1], best[0]):
+                    best = candidate
+        return best
+
+    def _hold_len(self) -> int:
+        """Length of the tail of ``pending`` that may still become part of a stop."""
+        hold = _stop_prefix_len(self._pending, self._stop)
+        if self._stop_regex:
+            emitted = self.text
+            try:
+                start = partial_start(self._stop_regex, emitted + self._pending, len(emitted))
+            except TimeoutError:
+                start = None
+            if start is not None:
+                hold = max(hold, len(emitted) + len(self._pending) - start)
+        return hold
 
 
 def _text_after(prefix_text: str, full_text: str) -> str:
@@ -155,15 +196,16 @@ def _text_after(prefix_text: str, full_text: str) -> str:
     return full_text[len(os.path.commonprefix([prefix_text, full_text])) :]
 
 
-def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """(start, stop) of the stop occurrence that ends first in ``text`` (ties: earliest start)."""
+def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, int, str] | None:
+    """(start, end, stop) of the stop occurrence that ends first in ``text`` (ties:
+    earliest start)."""
     best: tuple[int, int, str] | None = None  # (end, start, stop)
     for stop in stops:
         start = text.find(stop)
         if start >= 0:
             candidate = (start + len(stop), start, stop)
             best = candidate if best is None else min(best, candidate)
-    return None if best is None else (best[1], best[2])
+    return None if best is None else (best[1], best[0], best[2])
 
 
 def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
@@ -184,6 +226,7 @@ def final_text(
     skip_special_tokens: bool = True,
     stop: Sequence[str] = (),
     include_stop_str_in_output: bool = False,
+    stop_regex: Sequence[str] = (),
 ) -> str:
     """The non-streaming text of ``output_ids``: the same machine fed in one push.
 
@@ -192,7 +235,7 @@ def final_text(
     (see the module docstring for the one prompt-mid-character exception).
     """
     detok = IncrementalDetokenizer(
-        tokenizer, prompt_ids, skip_special_tokens, stop, include_stop_str_in_output
+        tokenizer, prompt_ids, skip_special_tokens, stop, include_stop_str_in_output, stop_regex
     )
     detok.push(output_ids)
     detok.finish()

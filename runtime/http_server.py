@@ -1,7 +1,8 @@
 """The HTTP app (FastAPI): native routes here, OpenAI routes in openai_api.py.
 
 Native API (SGLang field names): ``POST /generate``, ``GET /health``,
-``GET /get_model_info``, ``POST /flush_cache``, ``GET /metrics`` (Prometheus).
+``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``,
+``POST /flush_cache``, ``GET /metrics`` (Prometheus).
 Every error is JSON: ``{"error": {"message", "type", "param", "code"}}``; malformed
 JSON and wrong types are HTTP 400 (FastAPI's 422 is mapped to 400, as OpenAI does).
 
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,8 +36,10 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixlm.runtime.messages import SchedulerStats
 from radixlm.runtime.metrics import Metrics
 from radixlm.runtime.protocol import GenerateRequest
+from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.tokenizer_manager import (
     GenInput,
     InvalidRequest,
@@ -49,6 +54,7 @@ __all__ = ["create_app", "error_response", "sse", "collect_until_disconnect", "H
            "ApiKeyMiddleware", "BodyLimitMiddleware", "BodyTooLarge", "PUBLIC_PATHS"]
 
 PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
+VERSION = importlib.metadata.version("radixlm")
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -194,18 +200,19 @@ async def collect_until_disconnect(request: Request, chunks: AsyncIterator[Sampl
             return None
 
 
-def create_app(tm: TokenizerManager, metrics: Metrics, api_key: str | None = None,
-               max_request_body_bytes: int | None = None) -> FastAPI:
-    """The app; ``api_key`` None = no key needed, ``max_request_body_bytes`` None = no limit."""
-    app = FastAPI(title="radixlm", version="0.1.0")
+def create_app(tm: TokenizerManager, metrics: Metrics, args: ServerArgs, model_path: str) -> FastAPI:
+    """The app serving ``tm`` with the settings ``args`` (``--api-key`` None = no key
+    needed); ``model_path`` is the model as the user named it (``--model-path``, or the
+    default model's GGUF file), reported by ``/get_model_info``."""
+    app = FastAPI(title="radixlm", version=VERSION)
     app.state.tm = tm
     app.state.metrics = metrics
-    if max_request_body_bytes is not None:
-        app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
-    if api_key is not None:  # added last = outermost: a refused client is never read
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    if args.api_key is not None:  # added last = outermost: a refused client is never read
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     _install_error_handlers(app)
     _install_native_routes(app, tm, metrics)
+    _install_info_routes(app, tm, args, model_path)
     from radixlm.runtime.openai_api import install_openai_routes
 
     install_openai_routes(app, tm, metrics)
@@ -307,15 +314,13 @@ class _NativeResult:
             "finish_reason": _native_finish(c),
             "e2e_latency": time.perf_counter() - self.start,
         }
-        if self.gen.return_logprob:
+        if self.gen.return_logprob:  # input_* are empty without prompt logprobs (logprob_start_len -1)
             meta["output_token_logprobs"] = self._triples(self.logprobs, self.ids)
-            if self.gen.logprob_start_len >= 0:
-                start = self.gen.logprob_start_len
-                plp = getattr(self, "prompt_logprobs", None) or []
-                meta["input_token_logprobs"] = self._triples(plp, self.gen.input_ids[start:])
-                if self.gen.top_logprobs_num:
-                    meta["input_top_logprobs"] = self._tops(getattr(self, "prompt_top", None) or [])
+            start = self.gen.logprob_start_len
+            plp = getattr(self, "prompt_logprobs", None) or []
+            meta["input_token_logprobs"] = self._triples(plp, self.gen.input_ids[start:]) if start >= 0 else []
             if self.gen.top_logprobs_num:
+                meta["input_top_logprobs"] = self._tops(getattr(self, "prompt_top", None) or [])
                 meta["output_top_logprobs"] = self._tops(self.top)
         return {"text": self.text, "output_ids": self.ids, "meta_info": meta}
 
@@ -348,13 +353,6 @@ def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics)
         if not chunks or chunks[-1].finish_reason not in ("stop", "length"):
             return error_response(503, "health generation failed", err_type="server_error")
         return Response(status_code=200)
-
-    @app.get("/get_model_info")
-    async def model_info() -> dict[str, Any]:
-        r = tm.ready
-        return {"model_path": r.model_dir, "served_model_name": tm.model_name, "tokenizer_path": r.model_dir,
-                "is_generation": True, "context_length": r.context_length, "page_size": r.page_size,
-                "max_total_tokens": r.max_total_tokens, "device": r.device, "dtype": r.dtype}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -396,6 +394,48 @@ def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics)
         single = len(gens) == 1 and gens[0].n == 1 and not isinstance(body.text, list) and not (
             body.input_ids and isinstance(body.input_ids[0], list))
         return JSONResponse(results[0] if single else results)
+
+
+def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, model_path: str) -> None:
+    def model_info() -> dict[str, Any]:
+        r = tm.ready
+        return {"model_path": model_path, "tokenizer_path": args.tokenizer_path or r.model_dir,
+                "model_dir": r.model_dir, "served_model_name": tm.model_name, "is_generation": True,
+                "context_length": r.context_length, "page_size": r.page_size,
+                "max_total_tokens": r.max_total_tokens, "device": r.device, "dtype": r.dtype}
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        """SGLang's model info. ``model_path``: the model as given (``--model-path``, or the
+        default model's GGUF file), so clients can pick a chat template by name;
+        ``tokenizer_path``: the directory the tokenizer was loaded from; ``model_dir``: the
+        Hugging Face directory the weights were loaded from (a GGUF's converted copy)."""
+        return model_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        """SGLang's server info: every setting except the API key, overridden by the
+        values resolved at start-up (``device``, ``dtype``, ``context_length``,
+        ``max_total_tokens``), the model info, ``max_total_num_tokens`` /
+        ``max_req_input_len`` (SGLang's names), ``internal_states`` (the scheduler's last
+        report: running/waiting requests, KV pool usage, prefix-cache hit rate,
+        preemptions) and ``version``."""
+        r = tm.ready
+        return {**args.public_dict(), **model_info(), "max_total_num_tokens": r.max_total_tokens,
+                "max_req_input_len": r.context_length - 1, "kv_cache_bytes": r.kv_bytes,
+                "internal_states": [_internal_state(tm.stats)], "version": VERSION}
+
+
+def _internal_state(stats: SchedulerStats | None) -> dict[str, Any]:
+    """The scheduler's last ``SchedulerStats`` (empty before its first report) with SGLang's
+    ``num_running_reqs``, ``num_waiting_reqs``, ``token_usage`` and ``cache_hit_rate``."""
+    if stats is None:
+        return {}
+    seen = stats.prefill_tokens_computed + stats.prefill_tokens_cached
+    return {"num_running_reqs": stats.num_running, "num_waiting_reqs": stats.num_waiting,
+            "token_usage": stats.kv_used_pages / max(stats.kv_total_pages, 1),
+            "cache_hit_rate": stats.prefill_tokens_cached / seen if seen else 0.0,
+            **msgspec.structs.asdict(stats)}
 
 
 async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: GenerateRequest,

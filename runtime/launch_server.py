@@ -30,6 +30,7 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.http_server import create_app
 from radixlm.runtime.ipc import MsgSocket, new_ipc_address
 from radixlm.runtime.metrics import Metrics
+from radixlm.runtime.model_loader import default_gguf_path
 from radixlm.runtime.scheduler import run_scheduler_process
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.tokenizer_manager import TokenizerManager
@@ -126,7 +127,7 @@ async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, 
     tm = TokenizerManager(tokenizer, ready, send, recv, name, log_requests=args.log_requests,
                           max_running_requests=args.max_running_requests,
                           max_queued_requests=args.max_queued_requests)
-    app = create_app(tm, Metrics(name), api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes)
+    app = create_app(tm, Metrics(name), args, args.model_path or str(default_gguf_path()))
     loop_kind = "uvloop" if _has_uvloop() else "asyncio"
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             loop=loop_kind, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -50,6 +50,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop: tuple[str, ...] = ()
+    stop_regex: tuple[str, ...] = ()  # patterns (runtime/stop_regex.py), validated by the tokenizer process
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None

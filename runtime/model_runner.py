@@ -298,7 +298,10 @@ class ModelRunner:
         for it, (prompt_rows, _), res in zip(items, rows, results, strict=True):
             positions = self._prompt_positions(it)
             req = it.req
-            lead = [None] if req.wants_prompt_logprobs and req.logprob_start_len == 0 and not req.prompt_logprobs else []
+            # The first prompt token has no logprob: once, from the item that starts at 0 (with
+            # overlap a later step may launch before this one's logprobs are recorded).
+            lead = ([None] if req.wants_prompt_logprobs and req.logprob_start_len == 0 and it.start == 0
+                    and not req.prompt_logprobs else [])
             if not positions and not lead:
                 continue
             lps = torch.log_softmax(logits[prompt_rows], dim=-1)  # [n, V]

@@ -12,6 +12,14 @@ Policies (documented in the README):
   just before ``data: [DONE]``; every other chunk then carries ``usage: null``.
   ``stream_options`` with ``stream=false`` is ignored.
 - The ``developer`` role is rendered as ``system``; unknown roles are HTTP 400.
+- ``/v1/completions`` ``echo`` (OpenAI / vLLM semantics): each choice's text starts with
+  the prompt (a string prompt as given, a token prompt decoded); with ``logprobs`` the
+  prompt tokens come first in ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
+  ``text_offset``, the first token's logprob and top logprobs null. ``max_tokens=0``
+  (only with ``echo``) scores the prompt: ``finish_reason`` "length", no completion
+  tokens. Prompt logprobs are computed, not read from the radix cache. A streamed choice
+  carries the echo in its first chunk. ``text_offset`` counts the characters of the
+  tokens' strings (as vLLM does), streamed or not.
 """
 
 from __future__ import annotations
@@ -58,17 +66,24 @@ def _finish(c: SampleChunk) -> str:
 
 
 class _Choice:
-    """Accumulates one choice (one sample of one prompt)."""
+    """Accumulates one choice (one sample of one prompt); ``echo`` = (prompt text, prompt
+    ids) goes in front, with the prompt logprobs of the sample's first chunk."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, echo: tuple[str, list[int]] | None = None) -> None:
         self.index = index
         self.text = ""
         self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top: list[list[tuple[int, float]]] = []
+        self.logprobs: list[float | None] = []
+        self.top: list[list[tuple[int, float]] | None] = []
         self.last: SampleChunk | None = None
+        self.echo = echo
 
     def add(self, c: SampleChunk) -> None:
+        if self.echo is not None:  # c is the sample's first chunk: it carries the prompt logprobs
+            (self.text, ids), self.echo = self.echo, None
+            self.ids = list(ids)  # one logprob per prompt token (the scheduler may report more)
+            self.logprobs = list(c.prompt_logprobs or [])[: len(ids)]
+            self.top = list(c.prompt_top_logprobs or [])[: len(ids)]
         self.text += c.text
         self.ids += c.token_ids
         self.logprobs += c.logprobs or []
@@ -98,15 +113,17 @@ def _tok(tm: TokenizerManager, tid: int) -> str:
     return tm.tokenizer.decode([tid])
 
 
-def _completion_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float], tops: list,
-                         offset: int) -> dict[str, Any]:
+def _completion_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float | None], tops: list,
+                         offset: int) -> tuple[dict[str, Any], int]:
+    """The legacy ``logprobs`` object of ``ids`` (``text_offset`` from ``offset`` on) and
+    the offset after the last token. A None entry (the first prompt token) stays null."""
     tokens = [_tok(tm, t) for t in ids]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    top = [{_tok(tm, i): lp for i, lp in t} for t in tops] if tops else None
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+    top = [None if t is None else {_tok(tm, i): lp for i, lp in t} for t in tops] if tops else None
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}, pos
 
 
 def _chat_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float], tops: list) -> dict[str, Any]:
@@ -123,27 +140,33 @@ def _chat_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float], tops:
 
 
 # ----------------------------------------------------------------------------- requests
-def _completion_prompts(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
+def _completion_prompts(tm: TokenizerManager, prompt: Any) -> list[tuple[list[int], str | None]]:
+    """(ids, text) per prompt; ``text`` None for a token prompt (decoded only for echo)."""
     if isinstance(prompt, str):
-        return [tm.encode(prompt, "prompt")]
+        return [(tm.encode(prompt, "prompt"), prompt)]
     if not prompt:
         raise InvalidRequest("prompt is empty", "prompt")
     if isinstance(prompt[0], int):
-        return [list(prompt)]
+        return [(list(prompt), None)]
     if isinstance(prompt[0], str):
-        return [tm.encode(p) for p in prompt]
-    return [list(p) for p in prompt]
+        return [(tm.encode(p), p) for p in prompt]
+    return [(list(p), None) for p in prompt]
 
 
-def _completion_gens(tm: TokenizerManager, body: CompletionRequest) -> list[GenInput]:
+Echo = tuple[str, list[int]] | None  # (prompt text, prompt ids) put in front of each choice
+
+
+def _completion_gens(tm: TokenizerManager, body: CompletionRequest) -> tuple[list[GenInput], list[Echo]]:
     _check_model(tm, body.model)
-    gens = []
-    for ids in _completion_prompts(tm, body.prompt):
+    gens, echoes = [], []
+    prompt_logprobs = body.echo and body.logprobs is not None
+    for ids, text in _completion_prompts(tm, body.prompt):
         gen = GenInput(input_ids=ids, sampling=body.to_sampling(body.max_tokens), n=body.n,
                        return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0,
-                       stream=body.stream)
+                       logprob_start_len=0 if prompt_logprobs else -1, stream=body.stream)
         gens.append(tm.validate(gen, "prompt"))
-    return gens
+        echoes.append((tm.tokenizer.decode(ids) if text is None else text, ids) if body.echo else None)
+    return gens, echoes
 
 
 def _chat_gen(tm: TokenizerManager, body: ChatCompletionRequest) -> GenInput:
@@ -166,19 +189,19 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        gens = _completion_gens(tm, body)
+        gens, echoes = _completion_gens(tm, body)
         ticket = tm.admit(gens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return HeldStream(_stream(tm, metrics, gens, body, rid, created, chat=False), ticket)
+            return HeldStream(_stream(tm, metrics, gens, body, rid, created, chat=False, echoes=echoes), ticket)
         with ticket:
-            done = await _run_all(tm, metrics, gens, request)
+            done = await _run_all(tm, metrics, gens, request, echoes)
         if done is None:
             return Response(status_code=CLIENT_CLOSED)
         choices, usage = done
         out = []
         for ch in choices:
-            lp = (_completion_logprobs(tm, ch.ids, ch.logprobs, ch.top if body.logprobs else [], 0)
+            lp = (_completion_logprobs(tm, ch.ids, ch.logprobs, ch.top if body.logprobs else [], 0)[0]
                   if body.logprobs is not None else None)
             out.append({"index": ch.index, "text": ch.text, "logprobs": lp, "finish_reason": _finish(ch.last)})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
@@ -205,14 +228,14 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
                              "model": tm.model_name, "choices": out, "usage": usage.body()})
 
 
-async def _run_all(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput],
-                   request: Request) -> tuple[list[_Choice], _Usage] | None:
+async def _run_all(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], request: Request,
+                   echoes: list[Echo] | None = None) -> tuple[list[_Choice], _Usage] | None:
     """Run every prompt's samples; None if the client disconnected."""
     choices: list[_Choice] = []
     usage = _Usage()
-    for gen in gens:
+    for k, gen in enumerate(gens):
         base = len(choices)
-        choices += [_Choice(base + i) for i in range(gen.n)]
+        choices += [_Choice(base + i, echoes[k] if echoes else None) for i in range(gen.n)]
         chunks = await collect_until_disconnect(request, tm.generate(gen))
         if chunks is None:
             return None
@@ -224,7 +247,7 @@ async def _run_all(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput],
 
 
 async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], body: Any, rid: str,
-                  created: int, chat: bool) -> AsyncIterator[bytes]:
+                  created: int, chat: bool, echoes: list[Echo] | None = None) -> AsyncIterator[bytes]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     obj = "chat.completion.chunk" if chat else "text_completion"
     usage, base = _Usage(), 0
@@ -236,13 +259,14 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], 
         return sse(payload)
 
     try:
-        for gen in gens:
+        for k, gen in enumerate(gens):
             offsets = [0] * gen.n
             if chat:
                 for i in range(gen.n):
                     yield chunk({"index": base + i, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None})
-            pending: list[_Choice] = [_Choice(i) for i in range(gen.n)]  # tokens not yet sent
+            echo = echoes[k] if echoes else None
+            pending: list[_Choice] = [_Choice(i, echo) for i in range(gen.n)]  # tokens not yet sent
             async for c in tm.generate(gen):
                 metrics.observe_chunk(gen, c)
                 usage.add(c)
@@ -250,7 +274,6 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], 
                 p.add(c)
                 if p.text:
                     yield chunk(_stream_choice(tm, body, p, base, offsets, chat, None))
-                    offsets[c.index] += len(p.text)
                     pending[c.index] = p = _Choice(c.index)
                 if c.finished:
                     yield chunk(_stream_choice(tm, body, p, base, offsets, chat, _finish(c)))
@@ -270,12 +293,13 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], 
 
 def _stream_choice(tm: TokenizerManager, body: Any, p: _Choice, base: int, offsets: list[int],
                    chat: bool, finish: str | None) -> dict[str, Any]:
-    """One streamed choice carrying ``p``'s text and the logprobs of its tokens."""
+    """One streamed choice carrying ``p``'s text and the logprobs of its tokens (moves
+    ``offsets[p.index]`` past them)."""
     if chat:
         lp = _chat_logprobs(tm, p.ids, p.logprobs, p.top) if body.logprobs else None
         delta = {"content": p.text} if p.text else {}
         return {"index": base + p.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
     lp = None
     if body.logprobs is not None:
-        lp = _completion_logprobs(tm, p.ids, p.logprobs, p.top, offsets[p.index])
+        lp, offsets[p.index] = _completion_logprobs(tm, p.ids, p.logprobs, p.top, offsets[p.index])
     return {"index": base + p.index, "text": p.text, "logprobs": lp, "finish_reason": finish}

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from radixlm.runtime.grammar import check_grammar
 from radixlm.runtime.messages import SamplingParams
+from radixlm.runtime.stop_regex import check_stop_regex
 
 __all__ = [
     "NativeSamplingParams",
@@ -55,6 +56,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: StopField = None
+    stop_regex: StopField = None  # SGLang's name: stop once the output text matches a pattern
     stop_token_ids: list[TokenIdInt] | None = None
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)  # seed + i (n <= 128) fits too
@@ -64,6 +66,13 @@ class _Sampling(BaseModel):
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
+
+    @field_validator("stop_regex", mode="after")
+    @classmethod
+    def _stop_patterns(cls, v: StopField) -> tuple[str, ...]:
+        patterns = () if v is None else (v,) if isinstance(v, str) else tuple(v)
+        check_stop_regex(patterns)
+        return patterns
 
     @field_validator("json_schema", mode="after")
     @classmethod
@@ -92,7 +101,7 @@ class _Sampling(BaseModel):
         return dict(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty, stop=_stop_tuple(self.stop),
+            presence_penalty=self.presence_penalty, stop=_stop_tuple(self.stop), stop_regex=tuple(self.stop_regex or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             seed=self.seed, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -104,6 +113,9 @@ class NativeSamplingParams(_Sampling):
     max_new_tokens: int = Field(128, ge=0)
     min_new_tokens: int = Field(0, ge=0, le=INT64_MAX)
     n: int = Field(1, ge=1, le=128)
+    # Sent by SGLang's frontend on every gen. Accepted for compatibility; it has no effect:
+    # fast (Rust) tokenizers, the only kind served, never put spaces between special tokens.
+    spaces_between_special_tokens: bool = True
 
     def to_sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
@@ -124,6 +136,14 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
+    image_data: Any = None  # SGLang's multimodal input: refused, the served models read text only
+
+    @field_validator("image_data")
+    @classmethod
+    def _no_images(cls, v: Any) -> None:
+        if v is not None:
+            raise ValueError("image input is not supported: the served model reads text only")
+        return None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -169,17 +189,26 @@ class _OpenAIBase(_Sampling):
 
 
 class CompletionRequest(_OpenAIBase):
+    """``echo``: the prompt is prepended to each choice's text, and with ``logprobs`` its
+    tokens' logprobs come first (the first one null); ``max_tokens=0`` needs ``echo`` and
+    scores the prompt without generating."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    echo: bool = False  # before max_tokens: its validator reads it
+    max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_needs_echo(cls, v: int, info: ValidationInfo) -> int:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be >= 1 (0 only with echo=true, to score the prompt)")
+        return v
+
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (or be omitted)")
         if self.suffix:

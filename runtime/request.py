@@ -74,6 +74,7 @@ class Req:
     # token (overlap: the next step's mask needs it); the scheduler consumes them in order.
     grammar_ahead: list[tuple[int, bool]] = field(default_factory=list)
     _packed: array = field(default_factory=lambda: array("I"), repr=False)  # see token_array
+    stop_text: Any = None  # IncrementalDetokenizer of the output, kept by StopChecker for stop_regex
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:

@@ -279,6 +279,11 @@ class ServerArgs:
             ) from None
         return (w1, w2, w3)
 
+    def public_dict(self) -> dict[str, Any]:
+        """Every setting except the secret ones (``--api-key``): what ``/get_server_info``
+        may show."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
+
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 

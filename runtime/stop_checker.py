@@ -1,18 +1,24 @@
 """Finish conditions checked by the scheduler after every sampled token.
 
 Order: EOS / stop token ids ("stop", matched = the token id), stop strings ("stop",
-matched = the string), ``max_new_tokens`` ("length"), context length ("length").
-``min_new_tokens`` suppresses EOS and stop conditions until reached. Stop strings are
-found by decoding only a tail of the output (enough tokens to cover the longest stop
-string); the tokenizer process cuts the text at the same string, so the client never
-sees it (unless ``include_stop_str_in_output``).
+matched = the string), stop regexes ("stop", matched = the pattern), ``max_new_tokens``
+("length"), context length ("length"). ``min_new_tokens`` suppresses EOS and stop
+conditions until reached. Stop strings are found by decoding only a tail of the output
+(enough tokens to cover the longest stop string). A stop regex can match text of any
+length, so the whole output text is searched: it is kept per request by an
+``IncrementalDetokenizer`` (the same text the tokenizer process builds, decoded a few
+tokens per step) in ``req.stop_text``; see runtime/stop_regex.py. The tokenizer process
+cuts the text at the same string or match, so the client never sees it (unless
+``include_stop_str_in_output``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.request import Req
+from radixlm.runtime.stop_regex import SEARCH_TIMEOUT_S, first_match
 
 __all__ = ["StopChecker"]
 
@@ -23,10 +29,13 @@ class StopChecker:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
 
-    def check(self, req: Req) -> tuple[str, int | str | None] | None:
-        """(finish_reason, matched_stop) if ``req`` must stop after its last token."""
+    def check(self, req: Req) -> tuple[str, int | str | None] | tuple[str, None, str] | None:
+        """(finish_reason, matched_stop) if ``req`` must stop after its last token;
+        ("abort", None, message) if its stop regex search timed out."""
         sp = req.sampling
         n_out = len(req.output_ids)
+        if sp.stop_regex:
+            self._update_text(req)
         if n_out >= sp.min_new_tokens:
             last = req.output_ids[-1]
             if last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_token_ids):
@@ -34,11 +43,26 @@ class StopChecker:
             matched = self._stop_string(req)
             if matched is not None:
                 return "stop", matched
+            if sp.stop_regex:
+                try:
+                    match = first_match(sp.stop_regex, req.stop_text.text)
+                except TimeoutError:
+                    return "abort", None, (f"a stop_regex search took over {SEARCH_TIMEOUT_S * 1000:.0f} ms "
+                                           "(catastrophic backtracking?); simplify the pattern")
+                if match is not None:
+                    return "stop", match.pattern
         if n_out >= sp.max_new_tokens:
             return "length", None
         if req.num_known >= self.context_length:
             return "length", None
         return None
+
+    def _update_text(self, req: Req) -> None:
+        """Bring ``req.stop_text`` (the output text so far) up to date with output_ids."""
+        if req.stop_text is None:
+            req.stop_text = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
+                                                   skip_special_tokens=req.sampling.skip_special_tokens)
+        req.stop_text.push(req.output_ids[req.stop_text.num_pushed:])
 
     def _stop_string(self, req: Req) -> str | None:
         stops = req.sampling.stop

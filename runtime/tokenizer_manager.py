@@ -290,7 +290,8 @@ class TokenizerManager:
                 sp = msgspec.structs.replace(sp, seed=sp.seed + i)
             detok = IncrementalDetokenizer(
                 self.tokenizer, gen.input_ids, skip_special_tokens=sp.skip_special_tokens,
-                stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output)
+                stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output,
+                stop_regex=sp.stop_regex)
             samples.append(_Sample(i, detok))
             self.queues[rid] = (queue, i)
             self.send.asend_nowait(m.GenerateReq(

@@ -4,7 +4,8 @@
   only (SmolLM2's tokenizer adds no BOS, so "" is zero tokens). A chat message with
   content "" is still a valid request: the chat template adds a system prompt. Policy for
   a batch with one empty prompt: the whole request is rejected with 400.
-- C09 ``max_tokens=0``: OpenAI endpoints refuse it (400, documented policy);
+- C09 ``max_tokens=0``: OpenAI endpoints refuse it (400, documented policy; ``/v1/completions``
+  accepts it only with ``echo``, to score the prompt: tests/e2e/test_api_compat.py);
   ``/generate`` with ``max_new_tokens=0`` returns 200 with empty text, 0 completion
   tokens, ``finish_reason`` length (and prompt logprobs + ``cached_tokens`` when asked).
   ``max_tokens=1`` streaming: exactly one content delta, then the finish chunk.
@@ -235,7 +236,7 @@ def test_c09_max_tokens_zero(server, idle_invariants):
     with server.client() as c:
         references = [_normal(c, p) for p in NORMAL_PROMPTS]
 
-    # OpenAI endpoints: documented policy is 400 for max_tokens / max_completion_tokens 0.
+    # OpenAI endpoints: documented policy is 400 for max_tokens / max_completion_tokens 0 (without echo).
     openai_cases = [
         ("/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 0, "stream": True},

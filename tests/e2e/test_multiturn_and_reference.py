@@ -50,8 +50,8 @@ def _load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def _model_path(srv) -> str:
-    return httpx.get(f"{srv.url}/get_model_info", timeout=30).json()["model_path"]
+def _model_dir(srv) -> str:
+    return httpx.get(f"{srv.url}/get_model_info", timeout=30).json()["model_dir"]  # a loadable HF directory
 
 
 def _template(tok, messages: list[dict]) -> list[int]:
@@ -118,13 +118,13 @@ def hf(server) -> Iterator[_HFReference]:
     # spin against the servers and generation gets ~7x slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield _HFReference(_model_path(server))
+    yield _HFReference(_model_dir(server))
     torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def tok(server):
-    return _load_tokenizer(_model_path(server))
+    return _load_tokenizer(_model_dir(server))
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ def _load_tokenizer(model_path: str):
 
 def _tokenizer(srv):
     info = httpx.get(f"{srv.url}/get_model_info", timeout=30).json()
-    return _load_tokenizer(info["model_path"])
+    return _load_tokenizer(info["tokenizer_path"])
 
 
 _WORDS = dict(

@@ -126,7 +126,7 @@ def tokenizer(server):
     from transformers import AutoTokenizer
 
     info = httpx.get(f"{server.url}/get_model_info", timeout=60).json()
-    return AutoTokenizer.from_pretrained(info["model_path"])
+    return AutoTokenizer.from_pretrained(info["tokenizer_path"])
 
 
 def _rendered(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -152,7 +152,7 @@ def tokenizer(server):
     from transformers import AutoTokenizer
 
     info = httpx.get(f"{server.url}/get_model_info", timeout=60).json()
-    return AutoTokenizer.from_pretrained(info["model_path"])
+    return AutoTokenizer.from_pretrained(info["tokenizer_path"])
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -3,6 +3,8 @@ errors."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from radixlm.frontend import (
@@ -118,6 +120,22 @@ def test_variables_drive_control_flow(endpoint):
     state = loop.run(temperature=0, backend=endpoint)
     assert state.text().startswith("Count: 1, 2, 3, 4, 5, 6")
     assert state.ret_value == " 6"
+
+
+def test_stop_regex_ends_a_gen_on_every_backend(endpoint, openai_backend):
+    @function
+    def count(s):
+        s += "Count from 1 to 20: 1, 2, 3,"
+        s += gen("n", max_tokens=40, stop_regex=r"[7-9],")
+        s += gen("more", max_tokens=2, stop_regex=[r"\d"])
+
+    for backend in (endpoint, openai_backend):
+        state = count.run(temperature=0, backend=backend)
+        assert state["n"] == " 4, 5, 6, " and state["more"] == ""  # the greedy text goes on " 7,"
+    assert count.run(temperature=0, backend=endpoint).get_meta_info("n")["finish_reason"] == {
+        "type": "stop", "matched": "[7-9],"}
+    with pytest.raises(re.error):
+        gen("x", stop_regex=["ok", "(unclosed"])
 
 
 def test_server_errors_surface(endpoint):

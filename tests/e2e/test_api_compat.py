@@ -1,0 +1,223 @@
+"""API compatibility with OpenAI/vLLM and SGLang on a real server: ``/v1/completions``
+``echo``, ``stop_regex``, ``/get_model_info`` / ``/get_server_info``, and the request
+fields SGLang's own frontend (``sglang.RuntimeEndpoint``, 0.5.x) sends."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+MODEL = "default"
+PROMPT = "The capital of France is"
+COUNT = "Count from 1 to 20: 1, 2, 3,"  # greedy: " 4, 5, 6, 7, 8, 9, 10, 11, ..."
+
+
+def _post(c, path: str, body: dict) -> dict:
+    r = c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _events(c, path: str, body: dict) -> list[dict]:
+    with c.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[5:].strip() for ln in r.iter_lines() if ln.startswith("data:")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    with server.client() as c:
+        return AutoTokenizer.from_pretrained(c.get("/get_model_info").json()["tokenizer_path"])
+
+
+# ----------------------------------------------------------------------------- echo
+def test_echo_with_max_tokens_0_scores_the_prompt(server, tokenizer, idle_invariants):
+    ids = tokenizer.encode(PROMPT)
+    with server.client() as c:
+        out = _post(c, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True,
+                                           "logprobs": 1})
+        native = _post(c, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                                        "return_logprob": True, "logprob_start_len": 0})
+    choice = out["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    tokens = [tokenizer.decode([t]) for t in ids]
+    assert lp["tokens"] == tokens and "".join(tokens) == PROMPT
+    assert lp["text_offset"] == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = [e[0] for e in native["meta_info"]["input_token_logprobs"]]
+    assert want[0] is None and len(want) == len(ids)
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(lp["token_logprobs"][1:], want[1:], strict=True))
+    assert all(x < 0 for x in lp["token_logprobs"][1:])
+    assert all(len(t) == 1 and max(t.values()) >= lp["token_logprobs"][k + 1] - 1e-4
+               for k, t in enumerate(lp["top_logprobs"][1:]))  # the top-1 is at least as likely
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                            "prompt_tokens_details": {"cached_tokens": 0}}
+    idle_invariants(server)
+
+
+def test_echo_with_generation_puts_the_prompt_first(server, tokenizer, idle_invariants):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 0}
+    with server.client() as c:
+        plain = _post(c, "/v1/completions", body)["choices"][0]
+        echo = _post(c, "/v1/completions", {**body, "echo": True})["choices"][0]
+        streamed = _events(c, "/v1/completions", {**body, "echo": True})
+        no_lp = _post(c, "/v1/completions", {**body, "echo": True, "logprobs": None})["choices"][0]
+        token_prompt = _post(c, "/v1/completions", {**body, "echo": True, "prompt": tokenizer.encode(PROMPT)})
+    n_prompt = len(tokenizer.encode(PROMPT))
+    assert echo["text"] == PROMPT + plain["text"] == no_lp["text"] and no_lp["logprobs"] is None
+    assert token_prompt["choices"][0]["text"] == echo["text"]
+    lp, plp = echo["logprobs"], plain["logprobs"]
+    assert lp["tokens"][n_prompt:] == plp["tokens"] and len(lp["tokens"]) == n_prompt + 6
+    assert lp["token_logprobs"][n_prompt:] == pytest.approx(plp["token_logprobs"], abs=1e-4)
+    assert lp["top_logprobs"] is None  # logprobs=0: no alternatives
+    # The stream: the first chunk carries the prompt (and its logprobs), then the deltas.
+    pieces = [e["choices"][0] for e in streamed]
+    assert pieces[0]["text"].startswith(PROMPT) and "".join(p["text"] for p in pieces) == echo["text"]
+    merged = {k: sum((p["logprobs"][k] for p in pieces), []) for k in ("tokens", "token_logprobs", "text_offset")}
+    assert merged["tokens"] == lp["tokens"] and merged["text_offset"] == lp["text_offset"]
+    assert merged["token_logprobs"][0] is None
+    assert merged["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+    assert pieces[-1]["finish_reason"] == "length"
+    idle_invariants(server)
+
+
+def test_echo_through_the_openai_client_and_its_limits(server, idle_invariants):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    out = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=0, echo=True, logprobs=0)
+    assert [ch.text for ch in out.choices] == [PROMPT, "Hello"]
+    assert out.choices[1].logprobs.tokens == ["Hello"] and out.choices[1].logprobs.token_logprobs == [None]
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "echo" in r.json()["error"]["message"]
+    idle_invariants(server)
+
+
+# ----------------------------------------------------------------------------- stop_regex
+def test_stop_regex_stops_and_cuts_like_a_stop_string(server, tokenizer, idle_invariants):
+    base = {"text": COUNT, "sampling_params": {"max_new_tokens": 40, "temperature": 0}}
+    with server.client() as c:
+        full = _post(c, "/generate", base)
+        sp = {**base["sampling_params"], "stop_regex": [r"1\d", r"never+"]}
+        stopped = _post(c, "/generate", {**base, "sampling_params": sp})
+        kept = _post(c, "/generate", {**base, "sampling_params": {**sp, "include_stop_str_in_output": True}})
+        events = _events(c, "/generate", {**base, "sampling_params": sp})
+        openai_out = _post(c, "/v1/completions", {"model": MODEL, "prompt": COUNT, "max_tokens": 40,
+                                                  "temperature": 0, "stop_regex": r"1\d"})
+    ids = full["output_ids"]
+    first = next(k for k in range(1, len(ids) + 1) if re.search(r"1\d", tokenizer.decode(ids[:k])))
+    text = tokenizer.decode(ids[:first])
+    m = re.search(r"1\d", text)
+    assert stopped["output_ids"] == ids[:first]  # generation stopped at the first matching token
+    assert stopped["text"] == text[: m.start()] == full["text"][: m.start()]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"1\d"}
+    assert kept["text"] == text[: m.end()] and kept["text"].endswith("10")
+    assert [e["text"] for e in events][-1] == stopped["text"]
+    assert all(stopped["text"].startswith(e["text"]) for e in events)  # never streamed, then cut
+    assert openai_out["choices"][0]["text"] == stopped["text"]
+    assert openai_out["choices"][0]["finish_reason"] == "stop"
+    idle_invariants(server)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/generate", {"text": "x", "sampling_params": {"stop_regex": ["ok", "(unclosed"]}},
+     "sampling_params.stop_regex"),
+    ("/generate", {"text": "x", "sampling_params": {"stop_regex": r"\s*"}}, "sampling_params.stop_regex"),
+    ("/generate", {"text": "x", "sampling_params": {"stop_regex": 5}}, "sampling_params.stop_regex"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_regex": "[z-a]"}, "stop_regex"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "stop_regex": "("}, "stop_regex"),
+])
+def test_bad_stop_regex_is_a_400_naming_the_field(server, path, body, param):
+    with server.client() as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param)  # a union type error names the member tried
+
+
+# ----------------------------------------------------------------------------- model / server info
+def test_model_info_reports_the_model_as_given(server):
+    with server.client() as c:
+        info = c.get("/get_model_info").json()
+    assert info["model_path"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")  # the default model's file
+    assert Path(info["model_path"]).is_file()
+    assert (Path(info["model_dir"]) / "config.json").is_file()  # the converted copy
+    assert info["tokenizer_path"] == info["model_dir"] and info["model_dir"] != info["model_path"]
+    assert info["is_generation"] is True and info["context_length"] == 8192
+
+
+def test_server_info_mirrors_sglang_without_the_api_key(server_factory, idle_invariants):
+    key = "apigaps-secret-key-42"
+    with server_factory(api_key=key, max_total_tokens=4096, page_size=8) as srv, srv.client() as c:
+        _post(c, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+        deadline = time.monotonic() + 30
+        while True:  # the scheduler reports its stats every 0.5 s
+            r = c.get("/get_server_info")
+            assert r.status_code == 200
+            if r.json()["internal_states"][0].get("decode_tokens") or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert c.get("/get_server_info", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        model = c.get("/get_model_info").json()
+        idle_invariants(srv)
+    info = r.json()
+    assert key not in r.text and "api_key" not in info
+    assert info["page_size"] == 8 and info["max_total_num_tokens"] == 4096 == info["max_total_tokens"]
+    assert info["max_req_input_len"] == 8191 and info["context_length"] == 8192
+    assert info["device"] == "cpu" and info["dtype"] == "float32"  # resolved, not "auto"
+    assert info["model_path"] == model["model_path"] and info["version"] == "0.1.0"
+    assert info["debug_invariants"] is True and info["radix_eviction_policy"] == "lru"
+    state = info["internal_states"][0]
+    assert state["kv_total_pages"] == 4096 // 8 and 0 <= state["token_usage"] <= 1
+    assert state["prefill_tokens_computed"] == 5 and state["decode_tokens"] == 1  # 5 prompt tokens, 2nd token
+
+
+# ----------------------------------------------------------------------------- SGLang's frontend
+def _sglang_gen_body(text: str, **overrides) -> dict:
+    """What sglang 0.5.x ``RuntimeEndpoint.generate`` sends for a plain ``gen`` (defaults of
+    ``SglSamplingParams.to_srt_kwargs`` plus the two special-token flags)."""
+    sp = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 8,
+          "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [],
+          "temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
+          "presence_penalty": 0.0, "ignore_eos": False, "regex": None, "json_schema": None, **overrides}
+    return {"text": text, "sampling_params": sp}
+
+
+def test_sglang_frontend_requests_are_served(server, tokenizer, idle_invariants):
+    with server.client() as c:
+        plain = _post(c, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        sgl = _post(c, "/generate", _sglang_gen_body(PROMPT))
+        regex_stop = _post(c, "/generate", _sglang_gen_body(COUNT, max_new_tokens=40, stop_regex=r"[5-6],"))
+        # select: cache the prefix, then score "text + choice" rows from prompt_len - 2.
+        prompt_len = _post(c, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}})[
+            "meta_info"]["prompt_tokens"]
+        rows = _post(c, "/generate", {"text": [PROMPT + " Paris", PROMPT + " Rome"],
+                                      "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                                      "return_logprob": True, "return_text_in_logprobs": True,
+                                      "logprob_start_len": max(prompt_len - 2, 0)})
+        no_start = _post(c, "/generate", {"input_ids": tokenizer.encode(PROMPT), "return_logprob": True,
+                                          "sampling_params": {"max_new_tokens": 0}})
+        image = c.post("/generate", json={**_sglang_gen_body(PROMPT), "image_data": "cat.png"})
+        flushed = c.post("/flush_cache", json={"empty_cache": True})
+    assert sgl["text"] == plain["text"] and sgl["output_ids"] == plain["output_ids"]
+    assert regex_stop["text"] == " 4, " and regex_stop["meta_info"]["finish_reason"]["matched"] == "[5-6],"
+    assert len(rows) == 2
+    for row, word in zip(rows, (" Paris", " Rome"), strict=True):
+        entries = row["meta_info"]["input_token_logprobs"]
+        assert len(entries) == 3 and entries[-1][2] == word and all(e[0] < 0 for e in entries)
+        assert row["meta_info"]["output_token_logprobs"] == []
+    assert rows[0]["meta_info"]["input_token_logprobs"][-1][0] > rows[1]["meta_info"]["input_token_logprobs"][-1][0]
+    assert no_start["meta_info"]["input_token_logprobs"] == []  # present (SGLang's frontend reads it), empty
+    assert image.status_code == 400 and image.json()["error"]["param"] == "image_data"
+    assert flushed.status_code == 200
+    idle_invariants(server)
