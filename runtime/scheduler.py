@@ -209,6 +209,12 @@ class Scheduler:
                 req.num_inflight += 1
             step.was_prefill.append(was_prefill)
             step.ends_prefill.append(was_prefill and not req.in_prefill)
+            if step.ends_prefill[-1]:
+                # Share the prompt's pages now, not when the results are read: a waiting
+                # request with the same prefix may be planned before that (overlap) and
+                # must find it cached. The KV is still being computed, but every later
+                # step that reads it runs after this one on the device.
+                self.cache.cache(req)
 
     def _safe_step(self) -> bool:
         """step(), but an exception (a bug, a device error) fails the requests in flight
@@ -239,10 +245,8 @@ class Scheduler:
             if res.prompt_logprobs is not None:
                 req.prompt_logprobs.extend(res.prompt_logprobs)
                 req.prompt_top_logprobs.extend(res.prompt_top_logprobs or [None] * len(res.prompt_logprobs))
-            if step.ends_prefill[k]:
-                self.cache.cache(req)  # share the prompt's pages with later requests now
-                if not req.output_ids:  # first time through the prompt (not a recompute)
-                    self.counters["prefill_cached"] += req.cached_tokens
+            if step.ends_prefill[k] and not req.output_ids:  # first pass through the prompt
+                self.counters["prefill_cached"] += req.cached_tokens
             if res.next_id is not None:
                 req.num_inflight -= 1
                 self._append_token(req, res)

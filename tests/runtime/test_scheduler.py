@@ -263,3 +263,15 @@ def test_stats_report_kv_waste_and_prometheus_exports_it():
     assert 'radixlm:kv_cache_waste_tokens{model_name="m"} 12.0' in text
     used = stats.kv_used_pages * 16
     assert f'radixlm:kv_cache_waste_ratio{{model_name="m"}} {12 / used}' in text
+
+
+def test_a_prompt_is_cached_when_launched_so_the_next_plan_reuses_it_under_overlap():
+    """Two requests with one 40-token prompt: lpm defers the second while the first computes
+    the shared pages; the next plan comes before the first step's results are read
+    (overlap), and must already find the 2 full pages cached."""
+    s = make(StubRunner(), schedule_policy="lpm", debug_invariants=True)
+    s.handle(gen("a", n_prompt=40))
+    s.handle(gen("b", n_prompt=40))
+    outs = {o.rid: o for o in run(s)}
+    assert (outs["a"].cached_tokens, outs["b"].cached_tokens) == (0, 32)
+    assert s.violations == []
