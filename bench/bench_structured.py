@@ -109,7 +109,9 @@ def main() -> None:
     del model
     flags = server_flags(model_dir, args.server_args)
     rows = []
-    with ServerProcess.launch(flags, startup_timeout=600) as srv:
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = open(args.out / f"server_{Path(model_dir).name}.log", "w")  # noqa: SIM115 - closed below
+    with log, ServerProcess.launch(flags, log=log, startup_timeout=600) as srv:
         for batch in args.batch_sizes:
             runs: dict[str, list[dict]] = {"free": [], "json_schema": []}
             for _ in range(args.repeats):  # alternate, so drift and warm-up hit both alike

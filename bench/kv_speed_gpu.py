@@ -40,7 +40,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_kernels import Timer, rel_err  # noqa: E402
 
 from radixlm.kernels import reference  # noqa: E402
-from radixlm.kernels.decode_attention import decode_attention, decode_num_splits  # noqa: E402
+from radixlm.kernels.decode_attention import (  # noqa: E402
+    DecodeConfig,
+    decode_attention,
+    decode_num_splits,
+)
 from radixlm.kernels.extend_attention import extend_attention  # noqa: E402
 from radixlm.kernels.store_kv import store_kv  # noqa: E402
 
@@ -50,6 +54,16 @@ FP8 = torch.float8_e4m3fn
 # The base dtype of q and of the unquantised pages; --smoke uses fp16 (the Triton
 # interpreter computes wrong bf16 results).
 BASE = {"dtype": torch.bfloat16, "name": "bf16"}
+# Decode kernel launch variants timed besides the defaults: (pool, DecodeConfig fields)
+DECODE_VARIANTS = [
+    ("base", {"block_n": 128}), ("base", {"num_stages": 3}), ("base", {"programs_per_sm": 8}),
+    ("fp8_e4m3", {"fp8_compute": "q", "block_n": 64}), ("fp8_e4m3", {"fp8_compute": "q", "block_n": 128}),
+    ("fp8_e4m3", {"block_n": 64}), ("fp8_e4m3", {"block_n": 128}),
+    ("fp8_e4m3", {"block_n": 128, "num_stages": 3}), ("fp8_e4m3", {"block_n": 128, "num_stages": 4}),
+    ("fp8_e4m3", {"block_n": 256}), ("fp8_e4m3", {"block_n": 256, "num_warps": 8}),
+    ("fp8_e4m3", {"block_n": 128, "programs_per_sm": 8}), ("fp8_e4m3", {"block_n": 128, "programs_per_sm": 2}),
+    ("fp8_e4m3", {"block_n": 128, "num_stages": 3, "programs_per_sm": 8}),
+]
 
 
 def make_pools(num_tokens: int, device: torch.device, gen: torch.Generator):
@@ -102,6 +116,17 @@ def bench_decode(
         row[f"{name}_GBps"] = row[f"{name}_kv_bytes"] / row[f"{name}_us"] / 1e3
     row["fp8_speedup"] = row["base_us"] / row["fp8_e4m3_us"]
     row["fp8_rel_err_vs_base_pages"] = rel_err(outs["fp8_e4m3"], outs["base"])
+    row["variants_us"] = {}  # DecodeConfig variants per pool (splits from the variant's config)
+    for pool_name, kwargs in DECODE_VARIANTS:
+        k, v, ks, vs = pools[pool_name]
+        config = DecodeConfig(**kwargs)
+        n = decode_num_splits(batch, KV_HEADS, ctx, device, config)
+        out = torch.empty_like(q)
+        key = pool_name + ":" + ",".join(f"{a}={b}" for a, b in kwargs.items())
+        row["variants_us"][key] = timer.median_us(
+            lambda k=k, v=v, ks=ks, vs=vs, c=config, n=n, o=out: decode_attention(
+                q, k, v, table, seq, scale, num_splits=n, out=o, config=c, k_scale=ks, v_scale=vs),
+            graph=True)  # fmt: skip
     if batch * ctx <= 32 * 8 * KB:  # the reference gathers [B, L, K, D] in float32
         k8, v8, ks, vs = pools["fp8_e4m3"]
         ref = reference.paged_decode_attention(q, k8, v8, table, seq, scale, ks, vs)

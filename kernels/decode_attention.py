@@ -52,7 +52,8 @@ program serves one kv head, so its two scales are scalars. K tiles are converted
 dtype in registers and the K scale is folded into the softmax scale
 (q . (k8 * s_k) = s_k (q . k8)); V is used unscaled in the accumulator and the output is
 multiplied by s_v once (sum_j p_j v8_j s_v = s_v sum_j p_j v8_j). Half the bytes of bf16
-per key; the dequantisation costs one convert per element.
+per key; the dequantisation costs one convert per element, to fp16 by default
+(``DecodeConfig.fp8_compute``: the dots then run in fp16 whatever q's dtype).
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ class DecodeConfig:
     # programs_per_sm * SMs), and no split shorter than min_split_keys keys.
     programs_per_sm: int = 4
     min_split_keys: int = 128
+    # FP8 pools: the dtype the K/V tiles are converted to for the two dots. "fp16": one
+    # hardware convert per two elements on sm_89+ (cvt.rn.f16x2.e4m3x2), q cast to fp16
+    # (clamped to +-65504) and p rounded to fp16 (finer than bf16 on [0, 1]); "q": q's
+    # dtype (for bf16 queries the convert goes e4m3 -> f16 -> f32 -> bf16).
+    fp8_compute: str = "fp16"
 
 
 @dataclass
@@ -113,7 +119,7 @@ def _decode_split_kernel(
     stride_ptb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,6 +140,8 @@ def _decode_split_kernel(
         mask=head_mask[:, None],
         other=0.0,
     )  # [Hb, D]
+    if F16_DOT:  # FP8 pages, fp16 dots (DecodeConfig.fp8_compute)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     page_row = PageTable + b * stride_ptb
     k_base = KPool + kv_head * stride_kk
     v_base = VPool + kv_head * stride_vk
@@ -150,7 +158,7 @@ def _decode_split_kernel(
         v_off = page * stride_vp + slot * stride_vs
         k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT:
-            k = k.to(Q.dtype.element_ty)
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Hb, Nb]
         s = s * qk_scale_log2  # log2 domain
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -160,7 +168,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT:
-            v = v.to(Q.dtype.element_ty)
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -361,6 +369,7 @@ def _launch(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
         QUANT=k_scale is not None,
+        F16_DOT=k_scale is not None and config.fp8_compute == "fp16" and q.dtype != torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     merge = None

@@ -118,6 +118,23 @@ def test_decode_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> Non
     assert 1e-3 < err < 0.08, err  # e4m3 keeps 3 mantissa bits: a few percent, never zero
 
 
+@pytest.mark.parametrize("fp8_compute", ["fp16", "q"])
+def test_decode_fp8_half_queries_both_compute_dtypes(fp8_compute) -> None:
+    """fp16 queries on FP8 pages: the fp16-dot path (q clamped and cast, tiles converted to
+    fp16) and the q-dtype path both match the fp32 reference on the same FP8 pages."""
+    lens = [5, 40, 77]
+    case, k8, v8, k_scale, v_scale = _fp8_case([(n - 1, 1) for n in lens], 8, 2, 32, 16, seed=3)
+    ref = reference.paged_attention(case.q, k8, v8, case.page_table, case.prefix, case.extend,
+                                    case.scale, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    config = DecodeConfig(block_n=16, num_warps=2, num_stages=1, fp8_compute=fp8_compute)
+    for num_splits in (1, 2):
+        out = decode_attention(case.q.half(), k8, v8, case.page_table, case.seq_lens, case.scale,
+                               num_splits=num_splits, config=config, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        assert out.dtype == torch.float16
+        err = rel_error(out.float(), ref)
+        assert err < 5e-3, (num_splits, err)
+
+
 @pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 4, 4), (16, 8, 2)])
 def test_extend_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> None:
     specs = [(0, 19), (13, 5), (40, 33)]
