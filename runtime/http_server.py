@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -36,6 +35,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import radixlm
 from radixlm.runtime.messages import SchedulerStats
 from radixlm.runtime.metrics import Metrics
 from radixlm.runtime.protocol import GenerateRequest
@@ -54,7 +54,7 @@ __all__ = ["create_app", "error_response", "sse", "collect_until_disconnect", "H
            "ApiKeyMiddleware", "BodyLimitMiddleware", "BodyTooLarge", "PUBLIC_PATHS"]
 
 PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
-VERSION = importlib.metadata.version("radixlm")
+VERSION = radixlm.__version__  # not importlib.metadata: a checkout on PYTHONPATH has none
 
 
 def error_response(status: int, message: str, param: str | None = None,
