@@ -1,7 +1,7 @@
 """Where the scheduler process's host time goes: the real Scheduler + ModelRunner in one
 process (no HTTP), B streaming requests decoding, a cProfile of N steps.
 
-    python bench/profile_step.py --shape smollm2 --tokenizer-dir tok/ --batch 64 --out $OUT
+    python bench/profile_step.py --shape smollm2 --tokenizer-dir tok/ --batch 64 --out $OUT [--json-schema]
 
 Prints ms per step (wall) and the top functions by own time and by cumulative time; on a
 GPU the device work is queued asynchronously, so the profile is the host's share.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import random
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_structured import SCHEMA  # noqa: E402
 from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
 
 from radixlm.runtime import messages as m  # noqa: E402
@@ -34,6 +36,8 @@ def main() -> None:
     ap.add_argument("--models-root", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--json-schema", action="store_true",
+                    help="every request under bench_structured.py's JSON schema (no ignore_eos)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16")
@@ -42,13 +46,18 @@ def main() -> None:
                         max_total_tokens=args.batch * 1024, dtype="bfloat16" if DEVICE == "cuda" else "float32")
     sched = Scheduler(server, ModelRunner(server))
     rng = random.Random(0)
+    schema = json.dumps(SCHEMA) if args.json_schema else None
     for i in range(args.batch):
         sched.handle(m.GenerateReq(
             rid=f"r{i}", input_ids=[rng.randrange(100, 40000) for _ in range(300)], stream=True,
-            sampling=m.SamplingParams(max_new_tokens=args.steps + 50, ignore_eos=True, temperature=0.0)))
-    for _ in range(10):  # prefill, warm-up
+            sampling=m.SamplingParams(max_new_tokens=args.steps + 50, ignore_eos=not args.json_schema,
+                                      temperature=0.0, json_schema=schema)))
+    for _ in range(10):  # grammar compile, prefill, warm-up
         sched._safe_step()
         sched.outbox.clear()
+        while sched.grammar_waiting:
+            time.sleep(0.01)
+            sched._safe_step()
     prof = cProfile.Profile()
     start = time.perf_counter()
     prof.enable()
@@ -61,9 +70,10 @@ def main() -> None:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(35)
     stats.sort_stats("cumulative").print_stats(35)
-    report = f"batch {args.batch}: {wall_ms:.2f} ms per step (profiled)\n{text.getvalue()}"
+    tag = "_json" if args.json_schema else ""
+    report = f"batch {args.batch}{tag}: {wall_ms:.2f} ms per step (profiled)\n{text.getvalue()}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"profile_step_{args.shape}_b{args.batch}.txt").write_text(report)
+    (args.out / f"profile_step_{args.shape}_b{args.batch}{tag}.txt").write_text(report)
     print(report[:6000])
 
 
