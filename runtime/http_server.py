@@ -284,7 +284,7 @@ class _NativeResult:
         self.logprobs: list[float] = []
         self.top: list = []
         self.last: SampleChunk | None = None
-        self.start = time.perf_counter()
+        self.start = gen.created  # when the request was validated, not when results were gathered
 
     def add(self, c: SampleChunk) -> None:
         self.text += c.text

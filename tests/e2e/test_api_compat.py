@@ -146,6 +146,19 @@ def test_bad_stop_regex_is_a_400_naming_the_field(server, path, body, param):
 
 
 # ----------------------------------------------------------------------------- model / server info
+def test_e2e_latency_covers_the_generation(server, idle_invariants):
+    """meta_info.e2e_latency is the request's time in the server (it read ~0 for a
+    non-streaming request: the clock started after the results were gathered)."""
+    body = {"text": COUNT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    with server.client() as c:
+        for stream in (False, True):
+            start = time.perf_counter()
+            meta = (_events(c, "/generate", body)[-1] if stream else _post(c, "/generate", body))["meta_info"]
+            wall = time.perf_counter() - start
+            assert meta["completion_tokens"] == 24
+            assert 0.3 * wall < meta["e2e_latency"] <= wall, (stream, meta["e2e_latency"], wall)
+
+
 def test_model_info_reports_the_model_as_given(server):
     with server.client() as c:
         info = c.get("/get_model_info").json()
