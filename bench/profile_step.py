@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--json-schema", action="store_true",
                     help="every request under bench_structured.py's JSON schema (no ignore_eos)")
+    ap.add_argument("--no-profile", action="store_true", help="time the steps without cProfile")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16")
@@ -60,18 +61,21 @@ def main() -> None:
             sched._safe_step()
     prof = cProfile.Profile()
     start = time.perf_counter()
-    prof.enable()
+    if not args.no_profile:
+        prof.enable()
     for _ in range(args.steps):
         sched._safe_step()
         sched.outbox.clear()
     prof.disable()
     wall_ms = (time.perf_counter() - start) / args.steps * 1e3
     text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(35)
-    stats.sort_stats("cumulative").print_stats(35)
-    tag = "_json" if args.json_schema else ""
-    report = f"batch {args.batch}{tag}: {wall_ms:.2f} ms per step (profiled)\n{text.getvalue()}"
+    if not args.no_profile:
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(35)
+        stats.sort_stats("cumulative").print_stats(35)
+    tag = ("_json" if args.json_schema else "") + ("_noprof" if args.no_profile else "")
+    how = "not profiled" if args.no_profile else "profiled"
+    report = f"batch {args.batch}{tag}: {wall_ms:.2f} ms per step ({how})\n{text.getvalue()}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"profile_step_{args.shape}_b{args.batch}{tag}.txt").write_text(report)
     print(report[:6000])
