@@ -32,6 +32,39 @@ place. Grid (H, B, M blocks) with the M-block index reversed, so the longest (mo
 work) blocks start first and the G heads of one kv head run side by side (their K/V tiles
 come from L2).
 
+Split-KV path (short extends over a long cached prefix; Flash-Decoding, Dao et al. 2023,
+applied to extend as in ``decode_attention``). With the grid above, 128 new tokens over a
+3968-token prefix on the 8B shape are 32 heads x 1 request x 1 query block of 128 = 32
+programs on 132 SMs, each walking all ~4K keys, and each K/V tile is read once per query
+head (G = 4 times). ``extend_num_splits`` (host-side bounds, no device sync) then picks
+N > 1 and two kernels run instead:
+
+  1. ``_extend_split_kernel``, grid (M blocks, N, B * K): a program holds BLOCK_M new
+     tokens x the G query heads of one kv head as one [BLOCK_M * G', D] tile (GQA: every
+     K/V tile is read once for the group; G' = G rounded up to a power of two, padded
+     rows masked; BLOCK_M = block_rows // G'). Its keys are split n of the block's keys
+     [0, prefix_len + min(m0 + BLOCK_M, E)), cut into N BLOCK_N-aligned splits::
+
+         keys:  0 ...... prefix_len + m0 ......... key_end
+                | split 0 | split 1 | ... | split N-1 |   (tail splits may be empty)
+                |<-- unmasked tiles -->|<- causal ->|
+
+     Online softmax as above; a row can see no key of its split (a split inside the
+     diagonal): its partial has l = 0 and log-sum-exp -inf. Writes the normalised partial
+     output and its log2-sum-exp: ``DecodeWorkspace`` partial_out [T, H, N, D], partial_lse
+     [T, H, N], fp32.
+  2. decode's ``_decode_merge_kernel`` over the [T, H] rows: out = sum_i w_i o_i / sum_i
+     w_i, w_i = 2^(lse_i - max lse) (split 0 always holds key 0, so the sum is > 0).
+
+N is chosen so that B * K * M blocks * N programs make about one wave of
+``programs_per_sm`` per SM, splits are >= ``min_split_keys`` keys, and only when
+max_extend_len <= ``ExtendSplitConfig.max_extend_len`` (512) and the keys are at least
+twice the new tokens; otherwise (plain prefill, long extends, a full wave already) the
+long-extend kernel runs. Cost: the fp32 partials (T * H * N * D * 4 bytes, written and
+read once; bounded because the program count is capped at one wave: ~17 MB for the
+Hopper config on 132 SMs) and a second launch. FP8 pages as below (a program serves one
+kv head, so both scales are scalars).
+
 Limits: D a power of two (16..256); fp16/bf16 (fp32 for tests, with IEEE fp32 dots).
 ``max_extend_len`` (host int) sizes the grid; blocks past a request's extend_len exit at
 once. Launch parameters come from ``default_extend_config``: on sm_90 one of two tile
