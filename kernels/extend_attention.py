@@ -56,7 +56,8 @@ N > 1 and two kernels run instead:
   2. decode's ``_decode_merge_kernel`` over the [T, H] rows: out = sum_i w_i o_i / sum_i
      w_i, w_i = 2^(lse_i - max lse) (split 0 always holds key 0, so the sum is > 0).
 
-N is chosen so that B * K * M blocks * N programs make about one wave of
+N (a power of two; the kernels are compiled at server start by ``warm_up_split_path``) is
+chosen so that B * K * M blocks * N programs make about one wave of
 ``programs_per_sm`` per SM, splits are >= ``min_split_keys`` keys, and only when
 max_extend_len <= ``ExtendSplitConfig.max_extend_len`` (512) and the keys are at least
 twice the new tokens; otherwise (plain prefill, long extends, a full wave already) the
@@ -109,6 +110,7 @@ __all__ = [
     "default_split_config",
     "extend_attention",
     "extend_num_splits",
+    "warm_up_split_path",
 ]
 
 LOG2E = 1.4426950408889634
@@ -224,6 +226,8 @@ def extend_num_splits(
     (<= ``config.max_extend_len``) over keys at least twice as many as the new tokens, and
     only when one wave of ``programs_per_sm`` programs per SM has room for more than one
     split per (request, kv head, query block); no split shorter than ``min_split_keys``.
+    N is rounded down to a power of two, so the merge kernel (one binary per
+    next_power_of_2(N)) has at most 9 variants, all compiled by ``warm_up_split_path``.
     ``device`` may also be an SM count (int). Example, 8B shape on 132 SMs, one request of
     128 new tokens over 4K cached (Hopper config: 32 tokens x 4 heads per program): 4
     query blocks x 8 kv heads = 32 programs unsplit, N = 264 // 32 = 8.
@@ -238,7 +242,8 @@ def extend_num_splits(
     base = max(batch * num_kv_heads * triton.cdiv(max_extend_len, block_m), 1)
     wanted = config.programs_per_sm * num_sms // base
     most = math.ceil(max_seq_len / max(config.min_split_keys, config.block_n))
-    return max(1, min(wanted, most, 256))
+    n = max(1, min(wanted, most, 256))
+    return 1 << (n.bit_length() - 1)  # a power of two: one merge binary per N (warm_up_split_path)
 
 
 @triton.jit
@@ -378,7 +383,8 @@ def _extend_kernel(
     tl.store(o_ptr + dims[None, :], out.to(Out.dtype.element_ty), mask=row_mask[:, None])
 
 
-@triton.jit
+# One binary for every N and page-table width (warm_up_split_path compiles it once).
+@triton.jit(do_not_specialize=["num_splits", "stride_ptb"])
 def _extend_split_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, PartOut, PartLse, KScale, VScale,
     qk_scale_log2, num_splits, num_kv_heads,
@@ -638,3 +644,36 @@ def _launch_split(
         num_warps=4 if head_dim * num_splits >= 4096 else 2,
     )  # fmt: skip
     return split, merge
+
+
+def warm_up_split_path(
+    k_pool: torch.Tensor,
+    num_heads: int,
+    q_dtype: torch.dtype,
+    max_seq_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> list[int]:
+    """Compile the split-KV path for one layer's pool ([P, S, K, D]) before serving, so the
+    first cached-prefix request does not pay Triton's JIT (seconds per binary) in its TTFT.
+
+    Runs one tiny extend (one token over page 0, results discarded) for every split count
+    ``extend_num_splits`` can return for sequences up to ``max_seq_len`` (the powers of two
+    up to its batch-1 value; the split kernel is one binary, the merge one per N). Reads
+    slot 0 of page 0, writes no pool slot. Returns the split counts compiled ([] if the path
+    can never be taken). Caveat: Triton also specialises on 16-byte pointer alignment; FP8
+    scale rows ``k_scale[layer]`` of a [L, K] tensor with K not a multiple of 4 alternate
+    in alignment, so such a pool may still compile one more split binary on first use.
+    """
+    device = k_pool.device
+    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+    most = extend_num_splits(1, num_heads, num_kv_heads, 1, max_seq_len, device)
+    splits = [1 << i for i in range(1, most.bit_length())]
+    q = torch.zeros(1, num_heads, head_dim, dtype=q_dtype, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    prefix = torch.zeros(1, dtype=torch.int32, device=device)
+    for n in splits:
+        extend_attention(q, k_pool, k_pool, table, cu, prefix, head_dim**-0.5, 1, num_splits=n,
+                         k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    return splits

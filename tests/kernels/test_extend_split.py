@@ -6,7 +6,7 @@ their log-sum-exp. Covered: several prefix / extend lengths in one batch (short 
 extends mixed, zero prefixes, prefixes ending mid-page), splits that start inside the
 causal diagonal (rows that see no key of their split), GQA ratios 1/3/4/8 (3 padded to 4),
 page sizes 1/4/16, FP8 pages, fp16, the heuristic ``extend_num_splits`` and the runtime
-backend taking the path. Pools and outputs are NaN-poisoned.
+backend taking the path, the start-up warm-up. Pools and outputs are NaN-poisoned.
 
 Dimension letters: B requests, T new tokens, H query heads, K kv heads, D head dim,
 S page size, N key splits.
@@ -26,6 +26,7 @@ from radixlm.kernels.extend_attention import (  # noqa: E402
     ExtendSplitConfig,
     extend_attention,
     extend_num_splits,
+    warm_up_split_path,
 )
 
 from .conftest import DEVICE  # noqa: E402
@@ -130,7 +131,7 @@ def test_extend_num_splits() -> None:
         return extend_num_splits(batch, 32, 8, extend, seq, 132, cfg)
 
     assert n(1, 128, 4096) == 8  # 4 query blocks x 8 kv heads = 32 programs -> 264 // 32
-    assert n(1, 32, 1024 + 32) == 9  # 8 programs -> 33, capped at 1056 / 128 keys -> 9
+    assert n(1, 32, 1024 + 32) == 8  # 8 programs -> 33, capped at 1056 / 128 -> 9; 2^3
     assert n(1, 128, 16384 + 128) == 8
     assert n(8, 128, 4096 + 128) == 1  # 256 programs unsplit: already a wave
     assert n(2, 128, 4096 + 128) == 4
@@ -149,6 +150,18 @@ def test_default_takes_the_split_path(paged_case, relerr) -> None:
     picks N > 1 for one short extend over a long prefix (4 SMs under the interpreter)."""
     case = paged_case([(300, 10)], 4, 1, 32, 16, seed=8)
     bound = case.page_table.shape[1] * 16
-    assert extend_num_splits(1, 4, 1, 10, bound, case.q.device) == 3  # 20 pages of 16 keys
+    # min(8 // 1 programs, 20 pages x 16 keys / 128 = 3) = 3, rounded down to a power of two
+    assert extend_num_splits(1, 4, 1, 10, bound, case.q.device) == 2
     out = _run(case, None, ExtendSplitConfig())
     assert relerr(out, _reference(case)) < 1e-5
+
+
+def test_warm_up_compiles_every_power_of_two() -> None:
+    """Server start-up compile of the split path: one tiny extend per N in 2, 4, .. up to
+    the batch-1 value of ``extend_num_splits`` (4 SMs x 2 under the interpreter, 1 kv head
+    -> 8); the pool is only read."""
+    pool = torch.randn(3, 4, 1, 32, device=DEVICE)
+    before = pool.clone()
+    assert warm_up_split_path(pool, 2, torch.float32, 4096) == [2, 4, 8]
+    assert warm_up_split_path(pool, 2, torch.float32, 128) == []  # one split of 128 keys
+    assert torch.equal(pool, before)
