@@ -9,7 +9,8 @@ cached run is profiled (cProfile: the host's share; device work is queued asynch
     GPU:  . bench/gpu_env.sh && python3 bench/profile_prefix_step.py --shape llama3-8b \\
               --tokenizer-dir tok/ --out $OUT
 
-Writes profile_prefix_step.json (times, cached - control, ratio) and
+Writes profile_prefix_step.json (times, cached - control, ratio, the scheduler's host busy
+time until each first token: the rest is waiting for the device) and
 profile_prefix_step.txt (top functions of the cached run by cumulative and own time).
 """
 
@@ -35,6 +36,7 @@ from radixlm.runtime.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BUSY: dict[str, float] = {}  # rid -> scheduler host busy seconds until its first token
 
 
 def first_token_s(sched: Scheduler, rid: str, ids: list[int], max_new: int = 1,
@@ -42,7 +44,7 @@ def first_token_s(sched: Scheduler, rid: str, ids: list[int], max_new: int = 1,
     """Seconds from submitting ``ids`` to its first token; then runs the request to the end."""
     sched.handle(m.GenerateReq(rid=rid, input_ids=ids, stream=True, sampling=m.SamplingParams(
         max_new_tokens=max_new, ignore_eos=True, temperature=0.0)))  # fmt: skip
-    start, ttft = time.perf_counter(), None
+    start, ttft, busy0 = time.perf_counter(), None, sched.counters["busy_s"]
     if prof is not None:
         prof.enable()
     while ttft is None:
@@ -51,6 +53,7 @@ def first_token_s(sched: Scheduler, rid: str, ids: list[int], max_new: int = 1,
             ttft = time.perf_counter() - start
     if prof is not None:
         prof.disable()
+    BUSY[rid] = sched.counters["busy_s"] - busy0  # host time not spent waiting for the device
     while sched.has_work:
         sched._safe_step()
     sched.outbox.clear()
@@ -104,6 +107,7 @@ def main() -> None:
               "prompt_len": args.prompt_len, "cached_len": args.cached_len, "cold_s": cold,
               "cached_s": cached, "control_s": control, "ratio": med(cached) / cold,
               "cached_minus_control_s": med(cached) - med(control),
+              "host_busy_s": {k: v for k, v in BUSY.items() if not k.startswith(("warm", "seed"))},
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)

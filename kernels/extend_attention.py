@@ -64,7 +64,9 @@ twice the new tokens; otherwise (plain prefill, long extends, a full wave alread
 long-extend kernel runs. Cost: the fp32 partials (T * H * N * D * 4 bytes, written and
 read once; bounded because the program count is capped at one wave: ~17 MB for the
 Hopper config on 132 SMs) and a second launch. FP8 pages as below (a program serves one
-kv head, so both scales are scalars).
+kv head, so both scales are scalars). Not yet timed on a GPU: ``HOPPER_SPLIT_CONFIG`` and
+the heuristic's constants are first guesses; bench/bench_extend_split.py measures them
+against the long-extend kernel (bench/KERNELS.md).
 
 Limits: D a power of two (16..256); fp16/bf16 (fp32 for tests, with IEEE fp32 dots).
 ``max_extend_len`` (host int) sizes the grid; blocks past a request's extend_len exit at
