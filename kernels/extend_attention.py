@@ -254,7 +254,7 @@ def _attend_tile(
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     SCALE_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, NO_LOOKUP: tl.constexpr,
-    QUANT: tl.constexpr, SAFE: tl.constexpr = False,
+    QUANT: tl.constexpr, SAFE: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i).
 
@@ -368,7 +368,7 @@ def _extend_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT, False,
         )  # fmt: skip
     # Diagonal tiles, masked (PROBE 1, a measurement probe with a wrong result: unmasked).
     for n0 in range(full_end, key_end, BLOCK_N):
@@ -376,6 +376,7 @@ def _extend_kernel(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
+            False,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
