@@ -101,10 +101,10 @@ class TritonAttentionBackend(AttentionBackend):
     """Triton paged kernels (``radixlm.kernels.{store_kv,decode_attention,extend_attention}``).
 
     Per layer: store_kv, then the split-KV decode kernel for a pure decode step or the
-    extend kernel otherwise. ``prepare`` picks the split counts from the batch's host-side
-    lengths once per pass (no device sync): decode's, and the extend's (``extend_num_splits``:
-    short extends over a long cached prefix take the split-KV extend path); the scratch is
-    allocated by the first layer and reused by the others. Runs on CUDA; on CPU only under
+    extend kernel otherwise. The split count comes from the batch's host-side lengths once
+    per pass (no device sync): decode's in ``prepare``, the extend's (``extend_num_splits``:
+    short extends over a long cached prefix take the split-KV extend path) in the first
+    layer, which knows the query heads; that layer allocates the scratch, the others reuse it. Runs on CUDA; on CPU only under
     ``TRITON_INTERPRET=1``.
     """
 
