@@ -32,6 +32,42 @@ place. Grid (H, B, M blocks) with the M-block index reversed, so the longest (mo
 work) blocks start first and the G heads of one kv head run side by side (their K/V tiles
 come from L2).
 
+Split-KV path (short extends over a long cached prefix; Flash-Decoding, Dao et al. 2023,
+applied to extend as in ``decode_attention``). With the grid above, 128 new tokens over a
+3968-token prefix on the 8B shape are 32 heads x 1 request x 1 query block of 128 = 32
+programs on 132 SMs, each walking all ~4K keys, and each K/V tile is read once per query
+head (G = 4 times). ``extend_num_splits`` (host-side bounds, no device sync) then picks
+N > 1 and two kernels run instead:
+
+  1. ``_extend_split_kernel``, grid (M blocks, N, B * K): a program holds BLOCK_M new
+     tokens x the G query heads of one kv head as one [BLOCK_M * G', D] tile (GQA: every
+     K/V tile is read once for the group; G' = G rounded up to a power of two, padded
+     rows masked; BLOCK_M = block_rows // G'). Its keys are split n of the block's keys
+     [0, prefix_len + min(m0 + BLOCK_M, E)), cut into N BLOCK_N-aligned splits::
+
+         keys:  0 ...... prefix_len + m0 ......... key_end
+                | split 0 | split 1 | ... | split N-1 |   (tail splits may be empty)
+                |<-- unmasked tiles -->|<- causal ->|
+
+     Online softmax as above; a row can see no key of its split (a split inside the
+     diagonal): its partial has l = 0 and log-sum-exp -inf. Writes the normalised partial
+     output and its log2-sum-exp: ``DecodeWorkspace`` partial_out [T, H, N, D], partial_lse
+     [T, H, N], fp32.
+  2. decode's ``_decode_merge_kernel`` over the [T, H] rows: out = sum_i w_i o_i / sum_i
+     w_i, w_i = 2^(lse_i - max lse) (split 0 always holds key 0, so the sum is > 0).
+
+N (a power of two; the kernels are compiled at server start by ``warm_up_split_path``) is
+chosen so that B * K * M blocks * N programs make about one wave of
+``programs_per_sm`` per SM, splits are >= ``min_split_keys`` keys, and only when
+max_extend_len <= ``ExtendSplitConfig.max_extend_len`` (512) and the keys are at least
+twice the new tokens; otherwise (plain prefill, long extends, a full wave already) the
+long-extend kernel runs. Cost: the fp32 partials (T * H * N * D * 4 bytes, written and
+read once; bounded because the program count is capped at one wave: ~17 MB for the
+Hopper config on 132 SMs) and a second launch. FP8 pages as below (a program serves one
+kv head, so both scales are scalars). Not yet timed on a GPU: ``HOPPER_SPLIT_CONFIG`` and
+the heuristic's constants are first guesses; bench/bench_extend_split.py measures them
+against the long-extend kernel (bench/KERNELS.md).
+
 Limits: D a power of two (16..256); fp16/bf16 (fp32 for tests, with IEEE fp32 dots).
 ``max_extend_len`` (host int) sizes the grid; blocks past a request's extend_len exit at
 once. Launch parameters come from ``default_extend_config``: on sm_90 one of two tile
@@ -54,15 +90,30 @@ serves one query head, hence one kv head: both scales are scalars).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.decode_attention import _check_scales
+from radixlm.kernels.decode_attention import (
+    DecodeWorkspace,
+    _check_scales,
+    _decode_merge_kernel,
+    _dot_precision,
+    _num_sms,
+)
 
-__all__ = ["ExtendConfig", "default_extend_config", "extend_attention"]
+__all__ = [
+    "ExtendConfig",
+    "ExtendSplitConfig",
+    "default_extend_config",
+    "default_split_config",
+    "extend_attention",
+    "extend_num_splits",
+    "warm_up_split_path",
+]
 
 LOG2E = 1.4426950408889634
 
@@ -100,6 +151,31 @@ HOPPER_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_s
 HOPPER_PREFILL_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 
+@dataclass(frozen=True)
+class ExtendSplitConfig:
+    """Launch parameters and split heuristic of the split-KV extend path.
+
+    A program holds ``block_rows`` query rows: block_rows // G' new tokens times the G'
+    query heads of one kv head (G' = G rounded up to a power of two; at least one token).
+    """
+
+    block_rows: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    # Split heuristic (``extend_num_splits``): at most programs_per_sm programs per SM in
+    # all (B * K * M blocks * N), no split shorter than min_split_keys keys, and only for
+    # extends of at most max_extend_len tokens whose keys are at least twice the new tokens.
+    programs_per_sm: int = 2
+    min_split_keys: int = 128
+    max_extend_len: int = 512
+
+
+# Not tuned on a GPU yet: bench/bench_extend_split.py times these against the variants it
+# lists (bench/KERNELS.md, "Split-KV extend").
+HOPPER_SPLIT_CONFIG = ExtendSplitConfig(block_rows=128, block_n=64, num_warps=8, num_stages=2)
+
+
 @functools.lru_cache(maxsize=16)
 def _is_hopper_or_newer(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
@@ -125,19 +201,69 @@ def default_extend_config(
     return HOPPER_PREFILL_CONFIG
 
 
+def default_split_config(device: torch.device) -> ExtendSplitConfig:
+    """``HOPPER_SPLIT_CONFIG`` on compute capability >= 9.0, else ``ExtendSplitConfig()``."""
+    return HOPPER_SPLIT_CONFIG if _is_hopper_or_newer(device) else ExtendSplitConfig()
+
+
+def _split_block_m(num_heads: int, num_kv_heads: int, config: ExtendSplitConfig) -> tuple[int, int]:
+    """(new tokens per split program BLOCK_M, padded group G'); BLOCK_M * G' >= 16 rows."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    return max(1, max(config.block_rows, 16) // group_pad), group_pad
+
+
+def extend_num_splits(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_extend_len: int,
+    max_seq_len: int,
+    device: torch.device | str | int,
+    config: ExtendSplitConfig | None = None,
+) -> int:
+    """Key splits per query block N for an extend batch; 1 selects the long-extend kernel.
+
+    From host-side bounds only (no device sync): ``max_extend_len`` >= every extend length,
+    ``max_seq_len`` >= every prefix + extend length. N > 1 only for short extends
+    (<= ``config.max_extend_len``) over keys at least twice as many as the new tokens, and
+    only when one wave of ``programs_per_sm`` programs per SM has room for more than one
+    split per (request, kv head, query block); no split shorter than ``min_split_keys``.
+    N is rounded down to a power of two, so the merge kernel (one binary per
+    next_power_of_2(N)) has at most 9 variants, all compiled by ``warm_up_split_path``.
+    ``device`` may also be an SM count (int). Example, 8B shape on 132 SMs, one request of
+    128 new tokens over 4K cached (Hopper config: 32 tokens x 4 heads per program): 4
+    query blocks x 8 kv heads = 32 programs unsplit, N = 264 // 32 = 8.
+    """
+    config = config or default_split_config(
+        torch.device("cpu") if isinstance(device, int) else torch.device(device)
+    )
+    if max_extend_len > config.max_extend_len or max_seq_len < 2 * max_extend_len:
+        return 1
+    num_sms = device if isinstance(device, int) else _num_sms(torch.device(device))
+    block_m, _ = _split_block_m(num_heads, num_kv_heads, config)
+    base = max(batch * num_kv_heads * triton.cdiv(max_extend_len, block_m), 1)
+    wanted = config.programs_per_sm * num_sms // base
+    most = math.ceil(max_seq_len / max(config.min_split_keys, config.block_n))
+    n = max(1, min(wanted, most, 256))
+    return 1 << (n.bit_length() - 1)  # a power of two: one merge binary per N (warm_up_split_path)
+
+
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     SCALE_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, NO_LOOKUP: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, SAFE: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i).
 
     SCALE_MODE 0: scores times qk_scale_log2, then minus the max; 1: max of the raw scores,
     then one fused multiply-add per score; 2: q already carries the scale.
-    NO_LOOKUP (measurement probe): page = page_base + key // PAGE_SIZE, no page-table load."""
+    NO_LOOKUP (measurement probe): page = page_base + key // PAGE_SIZE, no page-table load.
+    SAFE: a row may have seen no key yet (m_i and the tile's max both -inf, as in a key
+    split that starts past the row's position): subtract 0 instead of -inf (no NaN); the
+    row keeps l_i = 0."""
     keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
     dims = tl.arange(0, HEAD_DIM)
     if NO_LOOKUP:
@@ -165,11 +291,16 @@ def _attend_tile(
         s = tl.where(causal, s, float("-inf"))
     if SCALE_MODE == 1:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
-        p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    m_sub = m_new
+    if SAFE:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if SCALE_MODE == 1:
+        p = tl.exp2(s * qk_scale_log2 - m_sub[:, None])
+    else:
+        p = tl.exp2(s - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
@@ -237,7 +368,7 @@ def _extend_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT, False,
         )  # fmt: skip
     # Diagonal tiles, masked (PROBE 1, a measurement probe with a wrong result: unmasked).
     for n0 in range(full_end, key_end, BLOCK_N):
@@ -245,6 +376,7 @@ def _extend_kernel(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
+            False,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
@@ -252,6 +384,82 @@ def _extend_kernel(
         out = out * tl.load(VScale + kv_head)
     o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + dims[None, :], out.to(Out.dtype.element_ty), mask=row_mask[:, None])
+
+
+# One binary for every N and page-table width (warm_up_split_path compiles it once).
+@triton.jit(do_not_specialize=["num_splits", "stride_ptb"])
+def _extend_split_kernel(
+    Q, KPool, VPool, PageTable, CuExtend, PrefixLens, PartOut, PartLse, KScale, VScale,
+    qk_scale_log2, num_splits, num_kv_heads,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    stride_ptb,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
+):  # fmt: skip
+    """Grid (M blocks, N splits, B * K). Program: BLOCK_M new tokens x the G query heads of
+    one kv head (rows r = token * GROUP_PAD + head), keys [start, end) of one split of the
+    block's keys [0, prefix_len + min(m0 + BLOCK_M, E)). Writes normalised partial outputs
+    and log2-sum-exps to PartOut [T, H, N, D] / PartLse [T, H, N] (fp32, contiguous)."""
+    m_block = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2) // num_kv_heads
+    kv_head = tl.program_id(2) % num_kv_heads
+    row0 = tl.load(CuExtend + b)
+    extend_len = tl.load(CuExtend + b + 1) - row0
+    m0 = m_block * BLOCK_M
+    if m0 >= extend_len:
+        return
+    prefix_len = tl.load(PrefixLens + b)
+    if QUANT:  # FP8 pages: the K scale joins the softmax scale, V's scales the output
+        qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
+
+    r = tl.arange(0, BLOCK_M * GROUP_PAD)  # [R] rows: (new token, query head of the group)
+    tok = m0 + r // GROUP_PAD  # query index within the request
+    g = r % GROUP_PAD
+    dims = tl.arange(0, HEAD_DIM)
+    row_mask = (tok < extend_len) & (g < GROUP)
+    heads = kv_head * GROUP + g
+    t_idx = (row0 + tok).to(tl.int64)
+    q_ptr = Q + t_idx[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr, mask=row_mask[:, None], other=0.0)  # [R, D]
+    rows_pos = prefix_len + tok  # [R] last key each row sees
+    page_row = PageTable + b * stride_ptb
+    k_base = KPool + kv_head * stride_kk
+    v_base = VPool + kv_head * stride_vk
+
+    key_end = prefix_len + tl.minimum(m0 + BLOCK_M, extend_len)
+    split_len = tl.cdiv(tl.cdiv(key_end, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, key_end)
+    # Keys [0, prefix_len + m0] are visible to every row: whole tiles of them need no mask.
+    full_end = (prefix_len + m0 + 1) // BLOCK_N * BLOCK_N
+    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, tl.minimum(end, full_end), BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False,
+        )  # fmt: skip
+    # Diagonal tiles (and the split's partial last tile): causal mask; a row may see none.
+    for n0 in range(tl.maximum(start, full_end), end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True,
+        )  # fmt: skip
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if QUANT:
+        out = out * tl.load(VScale + kv_head)
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    part = (t_idx * (num_kv_heads * GROUP) + heads) * num_splits + split  # [R]
+    tl.store(PartOut + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+    tl.store(PartLse + part, lse, mask=row_mask)
 
 
 _SCALE_MODES = {"mul": 0, "fma": 1, "q": 2}
@@ -297,6 +505,9 @@ def extend_attention(
     config: ExtendConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
+    split_config: ExtendSplitConfig | None = None,
 ) -> torch.Tensor:
     """Paged causal attention of each request's new tokens -> [T, H, D] in q's dtype.
 
@@ -313,17 +524,38 @@ def extend_attention(
             ``default_extend_config(q.device, max_extend_len, Pmax * S)``.
         k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
             float8_e4m3fn pools (value = stored * scale).
+        num_splits: key splits N of the split-KV path; 1 = the long-extend kernel; default
+            ``extend_num_splits`` on the bounds ``max_extend_len`` and Pmax * S.
+        workspace: optional scratch for N > 1, exactly
+            ``DecodeWorkspace.allocate(T, H, N, D)`` (allocated per call when omitted).
+        split_config: launch parameters of the split-KV path; default
+            ``default_split_config(q.device)``.
     """
     _check_inputs(q, k_pool, v_pool, page_table, cu_extend, prefix_lens)
     _check_scales(k_pool, k_scale, v_scale)
+    max_seq_len = page_table.shape[1] * k_pool.shape[1]  # bound on keys per request
+    split_config = split_config or default_split_config(q.device)
+    if num_splits is None:
+        num_splits = extend_num_splits(page_table.shape[0], q.shape[1], k_pool.shape[2],
+                                       max_extend_len, max_seq_len, q.device, split_config)  # fmt: skip
+    assert num_splits >= 1, num_splits
     if config is None:
-        max_seq_len = page_table.shape[1] * k_pool.shape[1]  # bound on keys per request
         config = default_extend_config(q.device, max_extend_len, max_seq_len)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     batch = page_table.shape[0]
     if batch == 0 or q.shape[0] == 0:
+        return out
+    if num_splits > 1:
+        num_tokens, num_heads, head_dim = q.shape
+        if workspace is None:
+            workspace = DecodeWorkspace.allocate(num_tokens, num_heads, num_splits, head_dim, q.device)
+        shape = (num_tokens, num_heads, num_splits)
+        assert tuple(workspace.partial_lse.shape) == shape, (workspace.partial_lse.shape, shape)
+        assert workspace.partial_out.shape == (*shape, head_dim) and workspace.partial_out.is_contiguous()
+        _launch_split(q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, workspace,
+                      scale, max_extend_len, num_splits, split_config, k_scale, v_scale)  # fmt: skip
         return out
     _launch(q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, scale,
             max_extend_len, config, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
@@ -371,3 +603,80 @@ def _launch(
         WARP_SPEC=config.warp_specialize, PROBE=probe, QUANT=k_scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+
+
+def _launch_split(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_extend: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    out: torch.Tensor,
+    workspace: DecodeWorkspace,
+    scale: float,
+    max_extend_len: int,
+    num_splits: int,
+    config: ExtendSplitConfig,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple:
+    """Launch ``_extend_split_kernel`` then the log-sum-exp merge (decode's
+    ``_decode_merge_kernel`` over [T, H] rows); returns both compiled kernels."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[2]
+    block_m, group_pad = _split_block_m(num_heads, num_kv_heads, config)
+    grid = (triton.cdiv(max_extend_len, block_m), num_splits, page_table.shape[0] * num_kv_heads)
+    part_out, part_lse = workspace.partial_out, workspace.partial_lse
+    split = _extend_split_kernel[grid](
+        q, k_pool, v_pool, page_table, cu_extend, prefix_lens, part_out, part_lse,
+        prefix_lens if k_scale is None else k_scale, prefix_lens if v_scale is None else v_scale,
+        scale * LOG2E, num_splits, num_kv_heads,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        page_table.stride(0),
+        GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
+        DOT_PRECISION=_dot_precision(q.dtype), QUANT=k_scale is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    merge = _decode_merge_kernel[(num_tokens, num_heads)](
+        part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4 if head_dim * num_splits >= 4096 else 2,
+    )  # fmt: skip
+    return split, merge
+
+
+def warm_up_split_path(
+    k_pool: torch.Tensor,
+    num_heads: int,
+    q_dtype: torch.dtype,
+    max_seq_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> list[int]:
+    """Compile the split-KV path for one layer's pool ([P, S, K, D]) before serving, so the
+    first cached-prefix request does not pay Triton's JIT (seconds per binary) in its TTFT.
+
+    Runs one tiny extend (one token over page 0, results discarded) for every split count
+    ``extend_num_splits`` can return for sequences up to ``max_seq_len`` (the powers of two
+    up to its batch-1 value; the split kernel is one binary, the merge one per N). Reads
+    slot 0 of page 0, writes no pool slot. Returns the split counts compiled ([] if the path
+    can never be taken). Caveat: Triton also specialises on 16-byte pointer alignment; FP8
+    scale rows ``k_scale[layer]`` of a [L, K] tensor with K not a multiple of 4 alternate
+    in alignment, so such a pool may still compile one more split binary on first use.
+    """
+    device = k_pool.device
+    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+    most = extend_num_splits(1, num_heads, num_kv_heads, 1, max_seq_len, device)
+    splits = [1 << i for i in range(1, most.bit_length())]
+    q = torch.zeros(1, num_heads, head_dim, dtype=q_dtype, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    prefix = torch.zeros(1, dtype=torch.int32, device=device)
+    for n in splits:
+        extend_attention(q, k_pool, k_pool, table, cu, prefix, head_dim**-0.5, 1, num_splits=n,
+                         k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    return splits

@@ -101,9 +101,11 @@ class TritonAttentionBackend(AttentionBackend):
     """Triton paged kernels (``radixlm.kernels.{store_kv,decode_attention,extend_attention}``).
 
     Per layer: store_kv, then the split-KV decode kernel for a pure decode step or the
-    extend kernel otherwise. ``prepare`` picks the split count from the batch's host-side
-    lengths once per pass (no device sync); the decode scratch is allocated by the first
-    layer and reused by the others. Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1``.
+    extend kernel otherwise. The split count comes from the batch's host-side lengths once
+    per pass (no device sync): decode's in ``prepare``, the extend's (``extend_num_splits``:
+    short extends over a long cached prefix take the split-KV extend path) in the first
+    layer, which knows the query heads; that layer allocates the scratch, the others reuse it. Runs on CUDA; on CPU only under
+    ``TRITON_INTERPRET=1``.
     """
 
     def __init__(self, device: torch.device | str) -> None:
@@ -111,11 +113,12 @@ class TritonAttentionBackend(AttentionBackend):
         if not _triton_available():
             raise ImportError("the triton attention backend needs the 'triton' package")
         from radixlm.kernels import decode_attention as decode
-        from radixlm.kernels.extend_attention import extend_attention
+        from radixlm.kernels import extend_attention as extend
         from radixlm.kernels.store_kv import store_kv
 
-        self._decode, self._extend, self._store_kv = decode, extend_attention, store_kv
-        self._num_splits = 1
+        self._decode, self._extend_mod, self._store_kv = decode, extend, store_kv
+        self._num_splits: int | None = 1
+        self._max_seq = 0
         self._workspace: Any = None
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
@@ -123,9 +126,22 @@ class TritonAttentionBackend(AttentionBackend):
         max_seq = max(
             p + e for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True)
         )
-        self._num_splits = self._decode.decode_num_splits(
-            batch.batch_size, pool.num_kv_heads, max_seq, self.device
-        )
+        self._max_seq = max_seq
+        self._num_splits = None  # extend: set by the first layer (it knows the query heads)
+        if batch.is_decode:
+            self._num_splits = self._decode.decode_num_splits(
+                batch.batch_size, pool.num_kv_heads, max_seq, self.device
+            )
+
+    def _scratch(self, rows: int, num_heads: int, head_dim: int) -> Any:
+        """The [rows, H, N, D] split scratch of this pass (None when N = 1)."""
+        shape = (rows, num_heads, self._num_splits)
+        work = self._workspace
+        if self._num_splits > 1 and (work is None or tuple(work.partial_lse.shape) != shape):
+            self._workspace = self._decode.DecodeWorkspace.allocate(  # [rows, H, N, D] scratch
+                rows, num_heads, self._num_splits, head_dim, self.device
+            )
+        return self._workspace
 
     def forward(
         self,
@@ -142,21 +158,21 @@ class TritonAttentionBackend(AttentionBackend):
         if not pool.quantised:
             q = q.to(k_pool.dtype)
         scale = q.shape[-1] ** -0.5
+        if self._num_splits is None:
+            self._num_splits = self._extend_mod.extend_num_splits(
+                batch.batch_size, q.shape[1], pool.num_kv_heads, max(batch.extend_lens_cpu),
+                self._max_seq, self.device,
+            )  # fmt: skip
+        work = self._scratch(q.shape[0], q.shape[1], q.shape[2])
         if not batch.is_decode:
-            return self._extend(
+            return self._extend_mod.extend_attention(
                 q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
                 scale, max_extend_len=max(batch.extend_lens_cpu), k_scale=k_scale, v_scale=v_scale,
+                num_splits=self._num_splits, workspace=work,
             )  # fmt: skip
-        batch_size, num_heads, head_dim = q.shape
-        shape = (batch_size, num_heads, self._num_splits)
-        work = self._workspace
-        if self._num_splits > 1 and (work is None or tuple(work.partial_lse.shape) != shape):
-            self._workspace = self._decode.DecodeWorkspace.allocate(  # [B, H, N, D] scratch
-                batch_size, num_heads, self._num_splits, head_dim, q.device
-            )
         return self._decode.decode_attention(
             q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
-            num_splits=self._num_splits, workspace=self._workspace, k_scale=k_scale, v_scale=v_scale,
+            num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
 
 

@@ -101,6 +101,21 @@ class ModelRunner:
         self._prev_rows: dict[Req, int] = {}
         self._last_launch: PendingStep | None = None
         self.graph_runner = self._make_graph_runner()
+        self._warm_up_split_extend()
+
+    def _warm_up_split_extend(self) -> None:
+        """Compile the split-KV extend path (Triton backend on CUDA) before serving: the
+        first cached-prefix request would otherwise pay the JIT in its TTFT."""
+        if self.device.type != "cuda" or not isinstance(self.model.attn_backend, TritonAttentionBackend):
+            return
+        from radixlm.kernels.extend_attention import warm_up_split_path
+
+        start = time.perf_counter()
+        q_dtype = self.dtype if self.pool.quantised else self.pool.dtype
+        splits = warm_up_split_path(self.pool.k[0], self.config.num_attention_heads, q_dtype,
+                                    self.context_length, self.pool.k_scale[0], self.pool.v_scale[0])  # fmt: skip
+        torch.cuda.synchronize(self.device)
+        logger.info("split-KV extend compiled for N in %s in %.1f s", splits, time.perf_counter() - start)
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         """Decode CUDA graphs on a CUDA device with the Triton backend, unless disabled."""

@@ -19,6 +19,7 @@ from radixlm.kernels.extend_attention import (  # noqa: E402
     HOPPER_EXTEND_CONFIG,
     HOPPER_PREFILL_CONFIG,
     extend_attention,
+    extend_num_splits,
 )
 from radixlm.kernels.store_kv import store_kv  # noqa: E402
 
@@ -87,6 +88,28 @@ def test_extend_bf16_plain_prefill_default(paged_case, relerr) -> None:
     extend_attention(
         case.q, case.k_pool, case.v_pool, case.page_table, case.cu_extend, case.prefix_lens,
         case.scale, case.max_extend, out=out,
+    )  # fmt: skip
+    assert not out.isnan().any()
+    assert relerr(out, _reference(case)) < 1e-2
+
+
+@pytest.mark.parametrize("num_splits", [None, 3, 16])
+@pytest.mark.parametrize(("shape", "page_size"), [("llama3-8b", 16), ("llama3-8b", 1), ("smollm2", 16)])
+def test_extend_split_bf16(paged_case, relerr, shape: str, page_size: int, num_splits) -> None:
+    """The split-KV extend path: 128 new tokens over 3968 cached (the TTFT case), mixed with
+    a short extend over a prefix ending mid-page and a short prefill (3 requests: on an
+    H100/H200 the default heuristic splits the 8B shape in 2, SmolLM2's in 7)."""
+    heads, kv_heads, head_dim = SHAPES[shape]
+    specs = [(3968, 128), (1003, 32), (0, 5)]
+    case = paged_case(specs, heads, kv_heads, head_dim, page_size, BF16, seed=3)
+    props = torch.cuda.get_device_properties(0)
+    if num_splits is None and props.major >= 9 and props.multi_processor_count >= 132:
+        bound = case.page_table.shape[1] * page_size  # the default takes the split path
+        assert extend_num_splits(len(specs), heads, kv_heads, 128, bound, "cuda") > 1
+    out = torch.full_like(case.q, float("nan"))
+    extend_attention(
+        case.q, case.k_pool, case.v_pool, case.page_table, case.cu_extend, case.prefix_lens,
+        case.scale, case.max_extend, out=out, num_splits=num_splits,
     )  # fmt: skip
     assert not out.isnan().any()
     assert relerr(out, _reference(case)) < 1e-2

@@ -40,10 +40,11 @@ PAGED_GQA = [
 
 
 def _run(case, config: ExtendConfig = SMALL) -> torch.Tensor:
+    """The long-extend kernel (num_splits=1; the split-KV path: test_extend_split.py)."""
     out = torch.full_like(case.q, float("nan"))
     extend_attention(
         case.q, case.k_pool, case.v_pool, case.page_table, case.cu_extend, case.prefix_lens,
-        case.scale, case.max_extend, out=out, config=config,
+        case.scale, case.max_extend, out=out, config=config, num_splits=1,
     )  # fmt: skip
     return out
 

@@ -16,7 +16,11 @@ pytest.importorskip("triton")
 
 from radixlm.kernels import reference  # noqa: E402
 from radixlm.kernels.decode_attention import DecodeConfig, decode_attention  # noqa: E402
-from radixlm.kernels.extend_attention import ExtendConfig, extend_attention  # noqa: E402
+from radixlm.kernels.extend_attention import (  # noqa: E402
+    ExtendConfig,
+    ExtendSplitConfig,
+    extend_attention,
+)
 from radixlm.kernels.store_kv import store_kv  # noqa: E402
 
 from .conftest import DEVICE, make_paged_case, rel_error  # noqa: E402
@@ -135,8 +139,9 @@ def test_decode_fp8_half_queries_both_compute_dtypes(fp8_compute) -> None:
         assert err < 5e-3, (num_splits, err)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])  # long-extend kernel, split-KV path
 @pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 4, 4), (16, 8, 2)])
-def test_extend_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> None:
+def test_extend_fp8_matches_reference(page_size, num_heads, num_kv_heads, num_splits) -> None:
     specs = [(0, 19), (13, 5), (40, 33)]
     case, k8, v8, k_scale, v_scale = _fp8_case(
         specs, num_heads, num_kv_heads, 32, page_size, seed=2
@@ -145,7 +150,8 @@ def test_extend_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> Non
                                     case.scale, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     out = extend_attention(case.q, k8, v8, case.page_table, case.cu_extend, case.prefix_lens, case.scale,
                            max_extend_len=case.max_extend, config=ExtendConfig(block_m=16, block_n=16),
-                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                           k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
+                           split_config=ExtendSplitConfig(block_rows=16, block_n=16, num_warps=2))  # fmt: skip
     assert rel_error(out, ref) < 1e-5
 
 
