@@ -162,7 +162,14 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
         k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
-        self._store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale)
+        slots, tiered = batch.out_slots, None
+        if pool.tiered:  # new tokens go to FP8 slots; the kernels also read INT4 pages
+            slots = pool.fp8_slots_of(batch.out_slots)
+            tiered = self._decode.TieredPages(
+                pool.fp8_slot, pool.k_codes[layer_id], pool.k_stat[layer_id],
+                pool.v_codes[layer_id], pool.v_stat[layer_id],
+            )  # fmt: skip
+        self._store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale)
         if not pool.quantised:
             q = q.to(k_pool.dtype)
         scale = q.shape[-1] ** -0.5
@@ -170,6 +177,7 @@ class TritonAttentionBackend(AttentionBackend):
             return self._extend(
                 q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
                 scale, max_extend_len=max(batch.extend_lens_cpu), k_scale=k_scale, v_scale=v_scale,
+                tiered=tiered,
             )  # fmt: skip
         batch_size, num_heads, head_dim = q.shape
         shape = (batch_size, num_heads, self._num_splits)
@@ -181,6 +189,7 @@ class TritonAttentionBackend(AttentionBackend):
         return self._decode.decode_attention(
             q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
             num_splits=self._num_splits, workspace=self._workspace, k_scale=k_scale, v_scale=v_scale,
+            tiered=tiered,
         )  # fmt: skip
 
 
