@@ -45,7 +45,7 @@ of a small batch: replay decode steps from a CUDA graph. Short contexts are limi
 fixed cost per call, not by the split count: on the H200, batch 32 streams K/V at ~4.5 TB/s
 (29.6 us per 1K keys) on top of ~15-22 us per call (one launch from a graph, the first
 dependent page-table -> K/V loads, the ~3 us merge kernel, write-back of dirty L2 lines), so
-32 x 2K reaches 0.77 of the copy bandwidth and 32 x 8K 0.96 (bench/KERNELS.md). Quantised
+32 x 2K reaches 0.77 of the copy bandwidth and 32 x 8K 0.96 (bench/KERNELS.md).
 
 FP8 pools (float8_e4m3fn pages, per-kv-head float32 ``k_scale``/``v_scale`` [K]): a
 program serves one kv head, so its two scales are scalars. K tiles are converted to q's
@@ -53,6 +53,15 @@ dtype in registers and the K scale is folded into the softmax scale
 (q . (k8 * s_k) = s_k (q . k8)); V is used unscaled in the accumulator and the output is
 multiplied by s_v once (sum_j p_j v8_j s_v = s_v sum_j p_j v8_j). Half the bytes of bf16
 per key; the dequantisation costs one convert per element.
+
+Tiered pools (int4 / mixed, ``TieredPages``; docs/ARCHITECTURE.md "Quantised KV cache"):
+the k/v pools are the FP8 slots [F, S, K, D] and each logical page is either in the slot
+``fp8_slot[page]`` or INT4 (KIVI: codes [P, S, K, D/2] uint8, key scale/zero per channel
+of the page, value scale/zero per group of G channels of a token, fp16). ``_tiered_tile``
+loads a tile's slot ids after the page-table lookup, then the FP8 elements and the INT4
+codes + statistics under complementary masks, and returns code * scale + zero or
+fp8 * s, in float32; nothing is folded into the softmax scale. Also used by the extend
+kernel. 0.33 of bf16's bytes per key (page 16, G 64), more instructions per element.
 """
 
 from __future__ import annotations

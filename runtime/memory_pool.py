@@ -373,6 +373,21 @@ class KVPool:
         if demote:
             self._demote(demote)
 
+    def check_invariants(self) -> None:
+        """Tiered pools: every FP8 slot but the dummy is either free or owned by exactly one
+        page, and the device ``fp8_slot`` map equals the host's (reads the device map:
+        debug only). AssertionError otherwise; a no-op for other pools."""
+        if not self.tiered:
+            return
+        owned = list(self._slot_of.values())
+        assert len(set(owned)) == len(owned), "an FP8 slot owned by two pages"
+        assert sorted(owned + self._free_slots) == list(range(1, self.num_fp8_pages)), "FP8 slots leaked"
+        expected = [-1] * self.num_pages
+        expected[0] = 0
+        for page, slot in self._slot_of.items():
+            expected[page] = slot
+        assert self.fp8_slot.tolist() == expected, "device fp8_slot map out of sync with the host"
+
     def _make_room(self, n: int, busy: set[int]) -> None:
         freed = [p for p in self._slot_of if p not in busy and self._page_is_free and self._page_is_free(p)]
         for page in freed[:n]:

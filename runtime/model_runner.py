@@ -106,8 +106,9 @@ class ModelRunner:
                     pool.bytes_per_token, page / bf16_page, self.dtype, self.device)
         if pool.tiered:
             logger.info("KV pool: %d FP8 slot pages (%d bytes) for pages not demoted to INT4 yet "
-                        "(mixed window %d pages + sink)", pool.num_fp8_pages, pool.fp8_slot_bytes,
-                        pool.window_pages)
+                        "(%s); whole pool %.3f of a bf16 pool of as many tokens", pool.num_fp8_pages,
+                        pool.fp8_slot_bytes, f"window {pool.window_pages} pages + sink" if pool.keep_sink
+                        else "pages being filled", pool.total_bytes / (bf16_page * self.num_pages))
         # The last launch's sampled ids stay on the device: the next launch may feed them
         # before the host has read them (overlap scheduling). _prev_rows: request -> row.
         # A step samples at most one row per running request.

@@ -341,8 +341,11 @@ class Scheduler:
         )
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if page accounting or the radix tree is inconsistent."""
+        """Raise AssertionError if page accounting, the radix tree or (int4 / mixed) the FP8
+        slots of the KV pool are inconsistent."""
         self.cache.check_invariants(self.planner.live)
+        if getattr(self.runner.pool, "tiered", False):
+            self.runner.pool.check_invariants()
 
     def _debug_check(self, when: str) -> None:
         try:

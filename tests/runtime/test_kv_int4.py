@@ -100,6 +100,10 @@ def test_int4_demotes_every_full_page_after_the_pass() -> None:
     pool.end_pass([(pages, 11, 2)])
     assert _fp8_pages(pool, pages) == [9]
     assert pool.num_fp8_pages_used == 1
+    pool.check_invariants()
+    pool._free_slots.pop()  # a leaked slot is caught
+    with pytest.raises(AssertionError, match="FP8 slots leaked"):
+        pool.check_invariants()
 
 
 def test_mixed_keeps_the_sink_and_the_window_in_fp8() -> None:
@@ -155,6 +159,7 @@ def test_slots_run_short_freed_pages_come_back_then_the_oldest_full_page_is_demo
     pool.begin_pass([(c, 0, 2)])  # no free slot: the oldest full non-sink page (a[1]) demotes
     assert c == a[2:]  # the freed page, handed out again: it needs a slot of its own
     assert _fp8_pages(pool, a[:2] + c) == [a[0], *c] and pool.num_demoted == 1
+    pool.check_invariants()
     with pytest.raises(RuntimeError, match="FP8 pages cannot hold one step's writes"):
         pool.begin_pass([(alloc.alloc(6), 0, 24)])
 
