@@ -413,11 +413,17 @@ class KVPool:
     @torch.inference_mode()
     def _demote(self, pages: list[int]) -> None:
         """FP8 pages -> INT4, every layer (``reference.quantize_int4_pages`` of the
-        dequantised FP8 bytes: a pure function of the page's content), then free the slots."""
+        dequantised FP8 bytes: a pure function of the page's content), then free the slots.
+        On CUDA one Triton launch per layer (``kernels.demote_int4``, same result)."""
         slots = [self._slot_of.pop(p) for p in pages]
         index = torch.tensor(pages, dtype=torch.int64).to(self.device, non_blocking=True)
         sindex = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        for layer in range(self.num_layers):
+        for layer in range(self.num_layers if self.device.type == "cuda" else 0):
+            from radixlm.kernels.demote_int4 import demote_pages  # one Triton launch per layer
+
+            demote_pages(index, sindex, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer],
+                         self.k_codes[layer], self.k_stat[layer], self.v_codes[layer], self.v_stat[layer])
+        for layer in range(self.num_layers if self.device.type != "cuda" else 0):
             k8 = _raw(self.k[layer]).index_select(0, sindex).view(torch.float8_e4m3fn)
             v8 = _raw(self.v[layer]).index_select(0, sindex).view(torch.float8_e4m3fn)
             k = reference.dequantize_fp8(k8, self.k_scale[layer])

@@ -138,3 +138,33 @@ def test_tiered_pages_with_bf16_queries_on_gpu(shape, page_size) -> None:
                            max_extend_len=case.max_extend, k_scale=k_scale, v_scale=v_scale,
                            tiered=tiered)  # fmt: skip
     assert rel_error(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize(("page_size", "num_kv_heads", "head_dim", "group"), [(16, 3, 64, 64), (4, 2, 32, 8)])
+def test_demote_kernel_matches_reference(page_size, num_kv_heads, head_dim, group) -> None:
+    """Triton demotion (FP8 slot -> INT4 page) against dequantize_fp8 + quantize_int4_pages:
+    the same codes and statistics (a constant channel included: scale 1, code 0)."""
+    from radixlm.kernels.demote_int4 import demote_pages
+
+    gen = torch.Generator().manual_seed(5)
+    num_slots, num_pages = 5, 9
+    shape = (num_slots, page_size, num_kv_heads, head_dim)
+    k8 = (torch.randn(shape, generator=gen) * 100).to(torch.float8_e4m3fn)
+    v8 = (torch.randn(shape, generator=gen) * 100).to(torch.float8_e4m3fn)
+    k8[:, :, :, 3] = 7.0  # a constant key channel
+    k_scale = torch.tensor([0.01, 0.02, 0.03][:num_kv_heads])
+    v_scale = torch.tensor([0.03, 0.01, 0.02][:num_kv_heads])
+    pages, slots = torch.tensor([7, 2, 5]), torch.tensor([1, 4, 2])
+    k_codes = torch.zeros((num_pages, page_size, num_kv_heads, head_dim // 2), dtype=torch.uint8)
+    v_codes = torch.zeros_like(k_codes)
+    k_stat = torch.zeros((num_pages, 2, num_kv_heads, head_dim), dtype=torch.float16)
+    v_stat = torch.zeros((num_pages, page_size, num_kv_heads, 2, head_dim // group), dtype=torch.float16)
+    dev = [t.to(DEVICE) for t in (pages, slots, k8, v8, k_scale, v_scale, k_codes, k_stat, v_codes, v_stat)]
+    demote_pages(*dev)
+    k = reference.dequantize_fp8(k8.view(torch.uint8)[slots].view(torch.float8_e4m3fn), k_scale)
+    v = reference.dequantize_fp8(v8.view(torch.uint8)[slots].view(torch.float8_e4m3fn), v_scale)
+    want = reference.quantize_int4_pages(k, v, group)
+    for got, ref in zip(dev[6:], want, strict=True):
+        assert torch.equal(got.cpu()[pages], ref)
+    assert int(dev[6].cpu()[0].sum()) == 0  # pages not demoted are untouched
+    assert float(want[1][0, 0, 0, 3]) == 1.0 and float(want[1][0, 1, 0, 3]) == pytest.approx(0.07, abs=1e-4)
