@@ -359,7 +359,7 @@ class KVPool:
         (FP8 pages of a radix-cached prefix another request left behind)."""
         if not self.tiered:
             return
-        size, window, demote = self.page_size, self.window_pages, []
+        size, window, demote = self.page_size, self.window_pages, {}  # ordered set
         for pages, start, count in writes:
             end = start + count
             full = end // size
@@ -368,10 +368,10 @@ class KVPool:
                 first = max(first, start // size - window - 1)
             for i in range(first, full - window):
                 page = pages[i]
-                if page in self._slot_of and self._fill[page] == size and page not in demote:
-                    demote.append(page)
+                if page in self._slot_of and self._fill[page] == size:
+                    demote[page] = None
         if demote:
-            self._demote(demote)
+            self._demote(list(demote))
 
     def check_invariants(self) -> None:
         """Tiered pools: every FP8 slot but the dummy is either free or owned by exactly one
