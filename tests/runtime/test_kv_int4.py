@@ -225,44 +225,69 @@ def test_shared_prefix_pages_read_the_same_for_every_request(tiny_hf_model: Call
     assert err < 0.05 * float(out[1].abs().max())  # shared[3] is INT4 now, was FP8 before
 
 
-def test_server_runs_int4_and_mixed_end_to_end(smollm2_dir: str) -> None:
-    """SmolLM2 through ModelRunner + Scheduler: greedy answers under int4 / mixed start like
-    fp8_e4m3's (every cache here writes FP8 first), pages are demoted, the radix-cached
-    prompt is reused and requests sharing it read the same values."""
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,
+          407, 19712, 8182, 2, 198, 1, 4093, 198, 504, 3458, 282, 4649, 314, 2, 198, 1, 520, 9531, 198]
+
+
+def _serve(smollm2_dir: str, kind: str, device: str) -> tuple[list[list[int]], dict[str, int], int]:
+    """ModelRunner + Scheduler: request a, then b and c together (both reuse a's cached
+    prompt pages), 12 greedy tokens each -> (outputs a, b, c; cached tokens; pages demoted)."""
     from radixlm.runtime import messages as m
     from radixlm.runtime.model_runner import ModelRunner
     from radixlm.runtime.scheduler import Scheduler
 
-    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,
-              407, 19712, 8182, 2, 198, 1, 4093, 198, 504, 3458, 282, 4649, 314, 2, 198, 1, 520, 9531, 198]
-    outputs = {}
-    for kind in ("fp8_e4m3", "int4", "mixed"):
-        args = ServerArgs(model_path=smollm2_dir, device="cpu", max_total_tokens=2048, kv_cache_dtype=kind,
-                          page_size=8, debug_invariants=True)  # fmt: skip
-        runner = ModelRunner(args)
-        sched = Scheduler(args.replace(model_path="unused"), runner)
-        ids: dict[str, list[int]] = {"a": [], "b": [], "c": []}
-        cached: dict[str, int] = {}
-        for rids in (["a"], ["b", "c"]):  # b and c arrive later and reuse a's cached prompt pages
-            for rid in rids:
-                sched.handle(m.GenerateReq(rid=rid, input_ids=prompt, sampling=m.SamplingParams(
-                    max_new_tokens=12, temperature=0.0, ignore_eos=True)))
-            for _ in range(40):
-                sched._safe_step()
-                for out in sched.outbox:
-                    ids[out.rid] += out.new_token_ids
-                    if out.finish_reason is not None:
-                        cached[out.rid] = out.cached_tokens
-                sched.outbox.clear()
-        assert set(cached) == {"a", "b", "c"}, cached
-        outputs[kind] = [ids["a"], ids["b"], ids["c"]]
-        assert all(len(o) == 12 for o in outputs[kind]), outputs
-        assert cached["b"] >= 32 and cached["c"] >= 32
+    args = ServerArgs(model_path=smollm2_dir, device=device, max_total_tokens=2048, kv_cache_dtype=kind,
+                      page_size=8, debug_invariants=True)  # fmt: skip
+    runner = ModelRunner(args)
+    sched = Scheduler(args.replace(model_path="unused"), runner)
+    ids: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    cached: dict[str, int] = {}
+    for rids in (["a"], ["b", "c"]):
+        for rid in rids:
+            sched.handle(m.GenerateReq(rid=rid, input_ids=PROMPT, sampling=m.SamplingParams(
+                max_new_tokens=12, temperature=0.0, ignore_eos=True)))
+        for _ in range(40):
+            sched._safe_step()
+            for out in sched.outbox:
+                ids[out.rid] += out.new_token_ids
+                if out.finish_reason is not None:
+                    cached[out.rid] = out.cached_tokens
+            sched.outbox.clear()
+    assert not sched.violations, sched.violations  # pool / tree invariants after every step
+    return [ids["a"], ids["b"], ids["c"]], cached, getattr(runner.pool, "num_demoted", 0)
+
+
+def _check_served(outputs: dict, cached: dict, demoted: dict) -> None:
+    for kind, outs in outputs.items():
+        assert all(len(o) == 12 for o in outs), outputs
+        assert cached[kind]["b"] >= 32 and cached[kind]["c"] >= 32, cached
         # b and c read the same cached pages (a's prompt, demoted for int4 / mixed).
-        assert outputs[kind][1] == outputs[kind][2]
-        if kind in ("int4", "mixed"):
-            assert runner.pool.num_demoted >= (4 if kind == "int4" else 2)  # 47 tokens: 5 full pages
+        assert outs[1] == outs[2], outputs
+    assert demoted["int4"] >= 4 and demoted["mixed"] >= 2, demoted  # 47 tokens: 5 full pages
+
+
+def test_server_runs_int4_and_mixed_end_to_end(smollm2_dir: str) -> None:
+    """SmolLM2 through ModelRunner + Scheduler on the CPU: greedy answers under int4 /
+    mixed start like fp8_e4m3's (every cache here writes FP8 first), pages are demoted, the
+    radix-cached prompt is reused and requests sharing it read the same values."""
+    outputs, cached, demoted = {}, {}, {}
+    for kind in ("fp8_e4m3", "int4", "mixed"):
+        outputs[kind], cached[kind], demoted[kind] = _serve(smollm2_dir, kind, "cpu")
+    _check_served(outputs, cached, demoted)
     # Seen: fp8_e4m3 and mixed agree on all 12 tokens of a, int4 on the first 4 (fp8_e4m3
     # itself leaves the float cache's answer at token 3).
     assert outputs["mixed"][0][:8] == outputs["fp8_e4m3"][0][:8], outputs
     assert outputs["int4"][0][:3] == outputs["fp8_e4m3"][0][:3], outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_server_runs_int4_and_mixed_on_gpu(smollm2_dir: str) -> None:
+    """The same on CUDA: Triton store / tiered decode and extend kernels, decode CUDA
+    graphs, the Triton demotion kernel, overlap scheduling."""
+    outputs, cached, demoted = {}, {}, {}
+    for kind in ("fp8_e4m3", "int4", "mixed"):
+        outputs[kind], cached[kind], demoted[kind] = _serve(smollm2_dir, kind, "cuda")
+    _check_served(outputs, cached, demoted)
+    for kind in ("int4", "mixed"):
+        assert outputs[kind][0][:2] == outputs["fp8_e4m3"][0][:2], outputs
