@@ -351,20 +351,25 @@ class KVPool:
         self._slot_of.update(zip(need, slots, strict=True))
         self._set_slots(need, slots)
 
-    def end_pass(self, writes: Sequence[PassWrite]) -> None:
+    def end_pass(self, writes: Sequence[PassWrite], scan_all: Sequence[bool] | None = None) -> None:
         """Demote to INT4 the full FP8 pages of the pass's requests that are outside what
         the policy keeps (int4: nothing; mixed: the first page and the last
-        ``window_pages`` full pages of the sequence). A no-op for other pools. Decode steps
-        look only at pages near the window's edge; longer writes scan the whole sequence
-        (FP8 pages of a radix-cached prefix another request left behind)."""
+        ``window_pages`` full pages of the sequence). A no-op for other pools.
+
+        ``scan_all[i]``: look at every page of write i's sequence (a request's first pass:
+        FP8 pages of a radix-cached prefix another request left behind), else only at the
+        pages near the window's edge (decode steps; O(1) per request). Default: writes of
+        more than one token scan all."""
         if not self.tiered:
             return
         size, window, demote = self.page_size, self.window_pages, {}  # ordered set
-        for pages, start, count in writes:
+        if scan_all is None:
+            scan_all = [count > 1 for _, _, count in writes]
+        for (pages, start, count), scan in zip(writes, scan_all, strict=True):
             end = start + count
             full = end // size
             first = 1 if self.keep_sink else 0
-            if count == 1:
+            if not scan:
                 first = max(first, start // size - window - 1)
             for i in range(first, full - window):
                 page = pages[i]

@@ -233,7 +233,8 @@ class ModelRunner:
                 src = to_device(torch.tensor([r for _, r in inflight]), self.device)
                 batch.input_ids[flat] = self._prev_ids[src]
             hidden = self.model.forward(batch, self.pool)
-        self.pool.end_pass(writes)  # int4 / mixed: demote pages that left the FP8 window
+        if writes:  # int4 / mixed: demote pages that left the FP8 window (all of a prompt's)
+            self.pool.end_pass(writes, [it.num_tokens > 1 or it.start < len(it.req.prompt_ids) for it in items])
         logits = self.model.compute_logits(hidden)  # [N, V] float32
         step = PendingStep(items, [ItemResult() for _ in items])
         self._prompt_logprobs(items, rows, logits, step.results)

@@ -123,6 +123,19 @@ def test_mixed_keeps_the_sink_and_the_window_in_fp8() -> None:
     assert _fp8_pages(pool, pages) == [10, 14, 15, 16]
 
 
+def test_decode_steps_scan_only_the_window_edge_first_passes_scan_all() -> None:
+    """end_pass with scan_all False looks only at the pages near the window's edge (O(1)
+    per decode step); True (a request's first pass) at the whole sequence."""
+    pool = _pool("mixed", window_pages=1)
+    _fill_fp8(pool)
+    a = list(range(10, 16))
+    pool.begin_pass([(a, 0, 20)])  # 5 full FP8 pages, no end_pass yet
+    pool.end_pass([(a, 19, 1)], [False])  # edge only: sequence pages 2 and 3
+    assert _fp8_pages(pool, a) == [10, 11, 14]
+    pool.end_pass([(a, 19, 1)], [True])
+    assert _fp8_pages(pool, a) == [10, 14]
+
+
 def test_demotion_is_a_pure_function_of_the_page_content() -> None:
     """Two pages with the same FP8 bytes demote to the same INT4 bytes, in any batch."""
     pool = _pool("int4")
