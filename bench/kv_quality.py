@@ -17,7 +17,9 @@ so every token attends to K/V read back from the pool. Per dtype:
   the same prompts for every dtype.
 
 FP8 scales come from ``kv_calibration.calibrate_kv_scales`` on the bundled calibration
-text (as the server does at start-up). Usage::
+text (as the server does at start-up); int4 and mixed use them for their FP8 slots and
+demote pages after every pass as the server does (``KVPool.begin_pass``/``end_pass``).
+Usage::
 
     .venv/bin/python bench/kv_quality.py --tokens 50000 --out bench/kv_results/cpu.json
     python bench/kv_quality.py --device cuda --out $OUT/kv_quality_gpu.json   # H200
@@ -77,6 +79,7 @@ class Runner:
         page_size: int,
         max_tokens: int,
         model_path: str | None = None,
+        window_pages: int = 2,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -86,6 +89,7 @@ class Runner:
         self.model = load_model(model_dir, self.dtype, self.device, backend)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.page_size = page_size
+        self.window_pages = window_pages  # mixed: full pages kept FP8 after the sink
         self.num_pages = -(-max_tokens // page_size) + 1
         cfg = self.model.config
         self.shape = (
@@ -98,9 +102,9 @@ class Runner:
 
     def pool(self, kv_dtype: str) -> KVPool:
         layers, heads, head_dim = self.shape
-        scales = self.scales if kv_dtype == "fp8_e4m3" else (None, None)
+        scales = self.scales if kv_dtype in ("fp8_e4m3", "int4", "mixed") else (None, None)
         return KVPool(self.num_pages, self.page_size, layers, heads, head_dim, self.dtype, self.device,
-                      kv_dtype, *scales)  # fmt: skip
+                      kv_dtype, *scales, window_pages=self.window_pages)  # fmt: skip
 
     @torch.inference_mode()
     def forward(
@@ -112,7 +116,10 @@ class Runner:
         batch = ForwardBatch.build(
             [tokens], [start], [pages], logits_rows, self.page_size, self.device
         )
+        writes = [(pages, start, len(tokens))]
+        pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the new tokens' pages
         hidden = self.model.forward(batch, pool)
+        pool.end_pass(writes)  # int4 / mixed: demote pages that left the FP8 window
         return self.model.compute_logits(hidden)  # [N, V] float32
 
     def teacher_forced(self, pool: KVPool, ids: list[int], window: int, chunk: int):
@@ -218,7 +225,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
+    ap.add_argument("--dtypes", default="bf16,fp8_e4m3", help="any of bf16, fp16, fp8_e4m3, int4, mixed")
+    ap.add_argument("--kv-mixed-window-pages", type=int, default=2, help="mixed: FP8 window (pages)")
     ap.add_argument("--base", default="bf16", help="the dtype deltas are measured against")
     ap.add_argument("--tokens", type=int, default=50000)
     ap.add_argument("--window", type=int, default=2048)
@@ -250,7 +258,8 @@ def main() -> None:
     if args.device == "cpu":  # the CPU host is shared: more threads than free cores spin
         torch.set_num_threads(1)
     runner = Runner(
-        args.device, args.backend, args.page_size, max(args.window + 1, args.probe_len + 64)
+        args.device, args.backend, args.page_size, max(args.window + 1, args.probe_len + 64),
+        window_pages=args.kv_mixed_window_pages,
     )
     report: dict = {
         "config": vars(args),

@@ -5,6 +5,7 @@ teacher-forced quality numbers of bench/kv_quality.py on the GPU).
 Shape: Llama-3-8B attention (32 query heads, 8 kv heads, D 128), bf16 queries, page size
 16, pages at a random permutation of the pool (scattered). Decode: batch 32 x context
 {8K, 32K} (and 128 x 8K); extend: batch 4, 8K cached + 2K new; store_kv: 32 tokens
+(int4: every page INT4, read through ``TieredPages``; mixed adds 3 FP8 pages per sequence)
 (one decode step) and 8K tokens (a prefill). Times are GPU times from bench_kernels.Timer
 (CUDA-graph replay, L2 flushed before each repeat, median). Each FP8 output is checked
 against the reference path on the same FP8 pages (relative error) and against bf16
@@ -42,6 +43,7 @@ from bench_kernels import Timer, rel_err  # noqa: E402
 from radixlm.kernels import reference  # noqa: E402
 from radixlm.kernels.decode_attention import (  # noqa: E402
     DecodeConfig,
+    TieredPages,
     decode_attention,
     decode_num_splits,
 )
@@ -78,7 +80,32 @@ def make_pools(num_tokens: int, device: torch.device, gen: torch.Generator):
     for i in range(0, pages, 4096):  # chunked: the float32 temporaries of a whole pool are large
         k8[i : i + 4096] = reference.quantize_fp8(k[i : i + 4096], k_scale)
         v8[i : i + 4096] = reference.quantize_fp8(v[i : i + 4096], v_scale)
-    return {"base": (k, v, None, None), "fp8_e4m3": (k8, v8, k_scale, v_scale)}, pages
+    # int4: every page INT4 (KIVI codes of the same values, value groups of 64), the FP8
+    # slot pool a single dummy slot. Mixed's steady state adds 3 FP8 pages per sequence.
+    codes = [torch.empty((pages, PAGE, KV_HEADS, HEAD_DIM // 2), device=device, dtype=torch.uint8)
+             for _ in range(2)]  # fmt: skip
+    k_stat = torch.empty((pages, 2, KV_HEADS, HEAD_DIM), device=device, dtype=torch.float16)
+    v_stat = torch.empty((pages, PAGE, KV_HEADS, 2, HEAD_DIM // 64), device=device, dtype=torch.float16)
+    for i in range(0, pages, 4096):
+        part = reference.quantize_int4_pages(k[i : i + 4096], v[i : i + 4096], 64)
+        for dst, src in zip((codes[0], k_stat, codes[1], v_stat), part, strict=True):
+            dst[i : i + 4096] = src
+    fp8_slot = torch.full((pages,), -1, dtype=torch.int32, device=device)
+    fp8_slot[0] = 0
+    tiered = TieredPages(fp8_slot, codes[0], k_stat, codes[1], v_stat)
+    slots8 = torch.zeros((2, PAGE, KV_HEADS, HEAD_DIM), device=device, dtype=FP8)
+    return {
+        "base": (k, v, None, None, None),
+        "fp8_e4m3": (k8, v8, k_scale, v_scale, None),
+        "int4": (slots8, slots8.clone(), k_scale, v_scale, tiered),
+    }, pages
+
+
+def kv_bytes_per_elem(name: str) -> float:
+    """Bytes read per K or V element: int4 codes + statistics (page 16, value group 64)."""
+    if name == "int4":  # K: 0.5 + 4 / PAGE per channel; V: 0.5 + 4 / 64
+        return (0.5 + 4 / PAGE + 0.5 + 4 / 64) / 2
+    return {"base": 2.0, "fp8_e4m3": 1.0}[name]
 
 
 def page_table(batch: int, ctx: int, num_pages: int, device, gen) -> torch.Tensor:
@@ -97,25 +124,27 @@ def bench_decode(
     splits = decode_num_splits(batch, KV_HEADS, ctx, device)
     row: dict = {"batch": batch, "context": ctx, "splits": splits}
     outs = {}
-    for name, (k, v, ks, vs) in pools.items():
+    for name, (k, v, ks, vs, tiered) in pools.items():
         out = torch.empty_like(q)
 
-        def fn(k=k, v=v, ks=ks, vs=vs, out=out):
+        def fn(k=k, v=v, ks=ks, vs=vs, tiered=tiered, out=out):
             return decode_attention(
-                q, k, v, table, seq, scale, num_splits=splits, out=out, k_scale=ks, v_scale=vs
+                q, k, v, table, seq, scale, num_splits=splits, out=out, k_scale=ks, v_scale=vs,
+                tiered=tiered,
             )
 
         row[f"{name}_us"] = timer.median_us(fn, graph=True)
         row[f"{name}_timing"] = timer.last_mode
         outs[name] = fn().clone()
-        bytes_per_elem = k.element_size()
-        row[f"{name}_kv_bytes"] = 2 * batch * ctx * KV_HEADS * HEAD_DIM * bytes_per_elem
+        row[f"{name}_kv_bytes"] = int(2 * batch * ctx * KV_HEADS * HEAD_DIM * kv_bytes_per_elem(name))
         row[f"{name}_GBps"] = row[f"{name}_kv_bytes"] / row[f"{name}_us"] / 1e3
     row["fp8_speedup"] = row["base_us"] / row["fp8_e4m3_us"]
     row["fp8_rel_err_vs_base_pages"] = rel_err(outs["fp8_e4m3"], outs["base"])
+    row["int4_speedup"] = row["base_us"] / row["int4_us"]
+    row["int4_rel_err_vs_base_pages"] = rel_err(outs["int4"], outs["base"])
     row["variants_us"] = {}  # DecodeConfig variants per pool (splits from the variant's config)
     for pool_name, kwargs in DECODE_VARIANTS:
-        k, v, ks, vs = pools[pool_name]
+        k, v, ks, vs, _ = pools[pool_name]
         config = DecodeConfig(**kwargs)
         n = decode_num_splits(batch, KV_HEADS, ctx, device, config)
         out = torch.empty_like(q)
@@ -125,7 +154,7 @@ def bench_decode(
                 q, k, v, table, seq, scale, num_splits=n, out=o, config=c, k_scale=ks, v_scale=vs),
             graph=True)  # fmt: skip
     if batch * ctx <= 32 * 8 * KB:  # the reference gathers [B, L, K, D] in float32
-        k8, v8, ks, vs = pools["fp8_e4m3"]
+        k8, v8, ks, vs, _ = pools["fp8_e4m3"]
         ref = reference.paged_decode_attention(q, k8, v8, table, seq, scale, ks, vs)
         row["fp8_rel_err_vs_reference"] = rel_err(outs["fp8_e4m3"], ref)
     return row
@@ -140,17 +169,20 @@ def bench_extend(
     q = torch.randn(batch * new, HEADS, HEAD_DIM, generator=gen).to(device, BASE["dtype"])
     row: dict = {"batch": batch, "prefix": prefix, "new": new}
     outs = {}
-    for name, (k, v, ks, vs) in pools.items():
+    for name, (k, v, ks, vs, tiered) in pools.items():
 
-        def fn(k=k, v=v, ks=ks, vs=vs):
+        def fn(k=k, v=v, ks=ks, vs=vs, tiered=tiered):
             return extend_attention(
-                q, k, v, table, cu, prefix_lens, HEAD_DIM**-0.5, new, k_scale=ks, v_scale=vs
+                q, k, v, table, cu, prefix_lens, HEAD_DIM**-0.5, new, k_scale=ks, v_scale=vs,
+                tiered=tiered,
             )
 
         row[f"{name}_us"] = timer.median_us(fn, graph=True)
         outs[name] = fn()
     row["fp8_speedup"] = row["base_us"] / row["fp8_e4m3_us"]
     row["fp8_rel_err_vs_base_pages"] = rel_err(outs["fp8_e4m3"], outs["base"])
+    row["int4_speedup"] = row["base_us"] / row["int4_us"]
+    row["int4_rel_err_vs_base_pages"] = rel_err(outs["int4"], outs["base"])
     return row
 
 
@@ -159,7 +191,9 @@ def bench_store(timer: Timer, pools: dict, num_pages: int, tokens: int, device, 
     kv = torch.randn(tokens, 2 * KV_HEADS, HEAD_DIM, generator=gen).to(device, BASE["dtype"])
     k, v = kv[:, :KV_HEADS], kv[:, KV_HEADS:]
     row: dict = {"tokens": tokens}
-    for name, (kp, vp, ks, vs) in pools.items():
+    for name, (kp, vp, ks, vs, tiered) in pools.items():
+        if tiered is not None:  # int4 / mixed store into FP8 slots: the fp8_e4m3 kernel
+            continue
         row[f"{name}_us"] = timer.median_us(
             lambda kp=kp, vp=vp, ks=ks, vs=vs: store_kv(kp, vp, k, v, slots, ks, vs), graph=True
         )
@@ -214,7 +248,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     if args.quality:
         cmd = [sys.executable, str(Path(__file__).parent / "kv_quality.py"), "--device", "cuda",
-               "--dtypes", "bf16,fp8_e4m3", "--tokens", str(args.quality_tokens), "--probe-trials", "5",
+               "--dtypes", "bf16,fp8_e4m3,int4,mixed", "--tokens", str(args.quality_tokens), "--probe-trials", "5",
                "--out", str(out / "kv_quality_gpu.json")]  # fmt: skip
         if args.model_path:
             cmd += ["--model-path", args.model_path]

@@ -45,7 +45,7 @@ of a small batch: replay decode steps from a CUDA graph. Short contexts are limi
 fixed cost per call, not by the split count: on the H200, batch 32 streams K/V at ~4.5 TB/s
 (29.6 us per 1K keys) on top of ~15-22 us per call (one launch from a graph, the first
 dependent page-table -> K/V loads, the ~3 us merge kernel, write-back of dirty L2 lines), so
-32 x 2K reaches 0.77 of the copy bandwidth and 32 x 8K 0.96 (bench/KERNELS.md). Quantised
+32 x 2K reaches 0.77 of the copy bandwidth and 32 x 8K 0.96 (bench/KERNELS.md).
 
 FP8 pools (float8_e4m3fn pages, per-kv-head float32 ``k_scale``/``v_scale`` [K]): a
 program serves one kv head, so its two scales are scalars. K tiles are converted to q's
@@ -54,6 +54,15 @@ dtype in registers and the K scale is folded into the softmax scale
 multiplied by s_v once (sum_j p_j v8_j s_v = s_v sum_j p_j v8_j). Half the bytes of bf16
 per key; the dequantisation costs one convert per element, to fp16 by default
 (``DecodeConfig.fp8_compute``: the dots then run in fp16 whatever q's dtype).
+
+Tiered pools (int4 / mixed, ``TieredPages``; docs/ARCHITECTURE.md "Quantised KV cache"):
+the k/v pools are the FP8 slots [F, S, K, D] and each logical page is either in the slot
+``fp8_slot[page]`` or INT4 (KIVI: codes [P, S, K, D/2] uint8, key scale/zero per channel
+of the page, value scale/zero per group of G channels of a token, fp16). ``_tiered_tile``
+loads a tile's slot ids after the page-table lookup, then the FP8 elements and the INT4
+codes + statistics under complementary masks, and returns code * scale + zero or
+fp8 * s, in float32; nothing is folded into the softmax scale. Also used by the extend
+kernel. 0.33 of bf16's bytes per key (page 16, G 64), more instructions per element.
 """
 
 from __future__ import annotations
@@ -61,12 +70,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_DECODE_CONFIG", "DecodeConfig", "DecodeWorkspace", "decode_attention", "decode_num_splits"]
+__all__ = ["FP8_DECODE_CONFIG", "DecodeConfig", "DecodeWorkspace", "TieredPages", "decode_attention",
+           "decode_num_splits"]
 
 LOG2E = 1.4426950408889634
 
@@ -95,6 +106,52 @@ class DecodeConfig:
 FP8_DECODE_CONFIG = DecodeConfig(block_n=128)
 
 
+class TieredPages(NamedTuple):
+    """The INT4 side of one layer of an int4 / mixed pool (``KVPool``; contiguous tensors).
+
+    fp8_slot [P] int32 (logical page -> FP8 slot of the k/v pools passed beside it, -1 =
+    INT4); k_codes, v_codes [P, S, K, D/2] uint8 (two codes per byte, low nibble first);
+    k_stat [P, 2, K, D] fp16 (scale, zero per channel of a page); v_stat [P, S, K, 2, D/G]
+    fp16 (scale, zero per group of G channels of a token). Value = code * scale + zero."""
+
+    fp8_slot: torch.Tensor
+    k_codes: torch.Tensor
+    k_stat: torch.Tensor
+    v_codes: torch.Tensor
+    v_stat: torch.Tensor
+
+
+@triton.jit
+def _tiered_tile(
+    base8, stride_8p, stride_8s, Codes, Stat, FSlot, page, slot, valid, kv_head, dims, scale8,
+    IS_KEY: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VGROUP: tl.constexpr,
+):  # fmt: skip
+    """A [Nb, D] float32 tile of K (IS_KEY) or V of a tiered pool: keys whose page has an
+    FP8 slot are read from it (``base8`` = that pool + the kv head offset) times the FP8
+    scale, the others are INT4 codes of the logical page times its scale plus its zero.
+    ``page`` [Nb] int64 logical pages, ``slot`` [Nb] offsets in the page."""
+    fslot = tl.load(FSlot + page, mask=valid, other=0).to(tl.int64)  # [Nb]
+    in8 = valid & (fslot >= 0)
+    in4 = valid & (fslot < 0)
+    x8 = tl.load(base8 + (fslot * stride_8p + slot * stride_8s)[:, None] + dims[None, :],
+                 mask=in8[:, None], other=0.0)  # fmt: skip
+    token = (page * PAGE_SIZE + slot) * NUM_KV_HEADS + kv_head  # [Nb] row of the codes
+    byte = tl.load(Codes + (token * (HEAD_DIM // 2))[:, None] + (dims // 2)[None, :],
+                   mask=in4[:, None], other=0)  # fmt: skip
+    code = (byte.to(tl.int32) >> ((dims % 2) * 4)[None, :]) & 15
+    if IS_KEY:  # [P, 2, K, D]: per channel of the page
+        st = Stat + ((page * 2 * NUM_KV_HEADS + kv_head) * HEAD_DIM)[:, None] + dims[None, :]
+        zero_off = NUM_KV_HEADS * HEAD_DIM
+    else:  # [P, S, K, 2, D/G]: per group of the token
+        st = Stat + (token * 2 * (HEAD_DIM // VGROUP))[:, None] + (dims // VGROUP)[None, :]
+        zero_off = HEAD_DIM // VGROUP
+    scale4 = tl.load(st, mask=in4[:, None], other=0.0).to(tl.float32)
+    zero4 = tl.load(st + zero_off, mask=in4[:, None], other=0.0).to(tl.float32)
+    x4 = code.to(tl.float32) * scale4 + zero4
+    return tl.where(in8[:, None], x8.to(tl.float32) * scale8, x4)
+
+
 @dataclass
 class DecodeWorkspace:
     """Scratch of the split-KV path: partial outputs [B, H, N, D] fp32, lse [B, H, N] fp32.
@@ -119,6 +176,7 @@ class DecodeWorkspace:
 @triton.jit
 def _decode_split_kernel(
     Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale,
+    FSlot, KCodes, KStat, VCodes, VStat,
     qk_scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -126,12 +184,16 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if QUANT:  # FP8 pages: the K scale joins the softmax scale, V's scales the output
+    if QUANT == 1:  # FP8 pages: the K scale joins the softmax scale, V's scales the output
         qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
+    if QUANT == 2:  # tiered: FP8 slots and INT4 pages, dequantised per tile
+        k_scale8 = tl.load(KScale + kv_head)
+        v_scale8 = tl.load(VScale + kv_head)
     seq_len = tl.load(SeqLens + b)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -162,8 +224,13 @@ def _decode_split_kernel(
         slot = keys % PAGE_SIZE
         k_off = page * stride_kp + slot * stride_ks  # [Nb]
         v_off = page * stride_vp + slot * stride_vs
-        k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        if QUANT:
+        if QUANT == 2:
+            k = _tiered_tile(k_base, stride_kp, stride_ks, KCodes, KStat, FSlot, page, slot, valid,
+                             kv_head, dims, k_scale8, True, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                             VGROUP).to(q.dtype)  # fmt: skip
+        else:
+            k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if QUANT == 1:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Hb, Nb]
         s = s * qk_scale_log2  # log2 domain
@@ -172,15 +239,20 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        if QUANT:
+        if QUANT == 2:
+            v = _tiered_tile(v_base, stride_vp, stride_vs, VCodes, VStat, FSlot, page, slot, valid,
+                             kv_head, dims, v_scale8, False, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                             VGROUP).to(q.dtype)  # fmt: skip
+        else:
+            v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if QUANT == 1:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    if QUANT:
+    if QUANT == 1:
         out = out * tl.load(VScale + kv_head)
     if DIRECT:
         o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
@@ -287,6 +359,7 @@ def decode_attention(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tiered: TieredPages | None = None,
 ) -> torch.Tensor:
     """Paged decode attention: q [B, H, D] over each request's ``seq_lens[b]`` keys -> [B, H, D].
 
@@ -306,10 +379,15 @@ def decode_attention(
             ``DecodeConfig()``, ``FP8_DECODE_CONFIG`` for FP8 pools.
         k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
             float8_e4m3fn pools (value = stored * scale).
+        tiered: int4 / mixed pools: the INT4 pages and the page -> FP8 slot map
+            (``TieredPages``); ``k_pool``/``v_pool`` are then the [F, S, K, D] FP8 slots
+            and the page table holds logical pages. Each key is read from its page's FP8
+            slot or dequantised from INT4 in registers.
     """
     _check_inputs(q, k_pool, v_pool, page_table, seq_lens)
     _check_scales(k_pool, k_scale, v_scale)
-    config = config or (FP8_DECODE_CONFIG if k_scale is not None else DecodeConfig())
+    _check_tiered(k_pool, tiered)
+    config = config or (FP8_DECODE_CONFIG if k_scale is not None and tiered is None else DecodeConfig())
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     if num_splits is None:
@@ -329,8 +407,34 @@ def decode_attention(
         assert part_out.shape == (batch, num_heads, num_splits, head_dim), part_out.shape
         assert part_lse.shape == (batch, num_heads, num_splits) and part_out.is_contiguous()
     _launch(q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, scale,
-            num_splits, config, k_scale, v_scale)  # fmt: skip
+            num_splits, config, k_scale, v_scale, tiered)  # fmt: skip
     return out
+
+
+def _check_tiered(k_pool: torch.Tensor, tiered: TieredPages | None) -> None:
+    """A tiered pool's INT4 tensors: contiguous, shapes matching the FP8 slots' [F, S, K, D]."""
+    if tiered is None:
+        return
+    _, page_size, num_kv_heads, head_dim = k_pool.shape
+    assert k_pool.dtype == torch.float8_e4m3fn, k_pool.dtype
+    num_pages = tiered.fp8_slot.shape[0]
+    assert tiered.fp8_slot.dtype == torch.int32, tiered.fp8_slot.dtype
+    for codes in (tiered.k_codes, tiered.v_codes):
+        assert codes.shape == (num_pages, page_size, num_kv_heads, head_dim // 2), codes.shape
+        assert codes.dtype == torch.uint8 and codes.is_contiguous()
+    assert tiered.k_stat.shape == (num_pages, 2, num_kv_heads, head_dim), tiered.k_stat.shape
+    num_groups = tiered.v_stat.shape[-1]
+    assert tiered.v_stat.shape == (num_pages, page_size, num_kv_heads, 2, num_groups)
+    assert head_dim % num_groups == 0, (head_dim, num_groups)
+    for stat in (tiered.k_stat, tiered.v_stat):
+        assert stat.dtype == torch.float16 and stat.is_contiguous()
+
+
+def _tiered_args(tiered: TieredPages | None, dummy: torch.Tensor, head_dim: int) -> tuple[list, int]:
+    """Kernel arguments (fp8_slot, k_codes, k_stat, v_codes, v_stat) and the value group."""
+    if tiered is None:
+        return [dummy] * 5, head_dim
+    return list(tiered), head_dim // tiered.v_stat.shape[-1]
 
 
 def _check_scales(
@@ -358,6 +462,7 @@ def _launch(
     config: DecodeConfig,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tiered: TieredPages | None = None,
 ) -> tuple:
     """Launch the split kernel (and the merge kernel when num_splits > 1); returns Triton's
     compiled kernels (registers, shared memory; the merge entry is None when skipped)."""
@@ -365,9 +470,11 @@ def _launch(
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     group = num_heads // num_kv_heads
     direct = num_splits == 1
+    tiered_args, vgroup = _tiered_args(tiered, seq_lens, head_dim)
     split = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse,
         seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,
+        *tiered_args,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -375,8 +482,9 @@ def _launch(
         page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        QUANT=k_scale is not None,
-        F16_DOT=k_scale is not None and config.fp8_compute == "fp16" and q.dtype != torch.float32,
+        QUANT=0 if k_scale is None else (2 if tiered is not None else 1),
+        F16_DOT=k_scale is not None and tiered is None and config.fp8_compute == "fp16" and q.dtype != torch.float32,
+        NUM_KV_HEADS=num_kv_heads, VGROUP=vgroup,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     merge = None

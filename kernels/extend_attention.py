@@ -99,10 +99,14 @@ import triton.language as tl
 
 from radixlm.kernels.decode_attention import (
     DecodeWorkspace,
+    TieredPages,
     _check_scales,
+    _check_tiered,
     _decode_merge_kernel,
     _dot_precision,
     _num_sms,
+    _tiered_args,
+    _tiered_tile,
 )
 
 __all__ = [
@@ -252,9 +256,10 @@ def extend_num_splits(
 def _attend_tile(
     acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
+    FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     SCALE_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, NO_LOOKUP: tl.constexpr,
-    QUANT: tl.constexpr, SAFE: tl.constexpr,
+    QUANT: tl.constexpr, SAFE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i).
 
@@ -277,11 +282,17 @@ def _attend_tile(
     slot = keys % PAGE_SIZE
     k_ptr = k_base + (page * stride_kp + slot * stride_ks)[:, None] + dims[None, :]
     v_ptr = v_base + (page * stride_vp + slot * stride_vs)[:, None] + dims[None, :]
-    if MASKED:
+    if not MASKED:
+        valid = keys >= 0  # every key of the tile (tiered reads take a mask)
+    if QUANT == 2:  # tiered: the page's FP8 slot or its INT4 codes, dequantised here
+        k = _tiered_tile(k_base, stride_kp, stride_ks, KCodes, KStat, FSlot, page, slot, valid,
+                         kv_head, dims, k_scale8, True, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                         VGROUP).to(q.dtype)  # fmt: skip
+    elif MASKED:
         k = tl.load(k_ptr, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_ptr)
-    if QUANT:  # FP8 page -> q's dtype; the scale is in qk_scale_log2
+    if QUANT == 1:  # FP8 page -> q's dtype; the scale is in qk_scale_log2
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Mb, Nb]
     if SCALE_MODE == 0:
@@ -302,11 +313,15 @@ def _attend_tile(
         p = tl.exp2(s - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
+    if QUANT == 2:
+        v = _tiered_tile(v_base, stride_vp, stride_vs, VCodes, VStat, FSlot, page, slot, valid,
+                         kv_head, dims, v_scale8, False, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                         VGROUP).to(q.dtype)  # fmt: skip
+    elif MASKED:
         v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptr)
-    if QUANT:
+    if QUANT == 1:
         v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -315,6 +330,7 @@ def _attend_tile(
 @triton.jit
 def _extend_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale,
+    FSlot, KCodes, KStat, VCodes, VStat,
     qk_scale_log2,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -322,7 +338,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     REVERSE_M: tl.constexpr, SCALE_MODE: tl.constexpr, WARP_SPEC: tl.constexpr,
-    PROBE: tl.constexpr, QUANT: tl.constexpr,
+    PROBE: tl.constexpr, QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -337,8 +353,13 @@ def _extend_kernel(
         return
     prefix_len = tl.load(PrefixLens + b)
     kv_head = head // GROUP
-    if QUANT:  # FP8 pages: the K scale joins the softmax scale
+    if QUANT == 1:  # FP8 pages: the K scale joins the softmax scale
         qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
+    k_scale8 = 1.0
+    v_scale8 = 1.0
+    if QUANT == 2:  # tiered pools: FP8 slots are dequantised per tile, with INT4 pages
+        k_scale8 = tl.load(KScale + kv_head)
+        v_scale8 = tl.load(VScale + kv_head)
 
     rows = m0 + tl.arange(0, BLOCK_M)  # [Mb] query index within the request
     dims = tl.arange(0, HEAD_DIM)
@@ -368,19 +389,22 @@ def _extend_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
+            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT, False,
+            NUM_KV_HEADS, VGROUP,
         )  # fmt: skip
     # Diagonal tiles, masked (PROBE 1, a measurement probe with a wrong result: unmasked).
     for n0 in range(full_end, key_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
+            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
-            False,
+            False, NUM_KV_HEADS, VGROUP,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
-    if QUANT:
+    if QUANT == 1:
         out = out * tl.load(VScale + kv_head)
     o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + dims[None, :], out.to(Out.dtype.element_ty), mask=row_mask[:, None])
@@ -442,14 +466,16 @@ def _extend_split_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False,
+            PageTable, PageTable, PageTable, PageTable, PageTable, kv_head, 1.0, 1.0,  # no tiered
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False, 1, 1,
         )  # fmt: skip
     # Diagonal tiles (and the split's partial last tile): causal mask; a row may see none.
     for n0 in range(tl.maximum(start, full_end), end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True,
+            PageTable, PageTable, PageTable, PageTable, PageTable, kv_head, 1.0, 1.0,  # no tiered
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True, 1, 1,
         )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -508,6 +534,7 @@ def extend_attention(
     num_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     split_config: ExtendSplitConfig | None = None,
+    tiered: TieredPages | None = None,
 ) -> torch.Tensor:
     """Paged causal attention of each request's new tokens -> [T, H, D] in q's dtype.
 
@@ -525,17 +552,23 @@ def extend_attention(
         k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
             float8_e4m3fn pools (value = stored * scale).
         num_splits: key splits N of the split-KV path; 1 = the long-extend kernel; default
-            ``extend_num_splits`` on the bounds ``max_extend_len`` and Pmax * S.
+            ``extend_num_splits`` on the bounds ``max_extend_len`` and Pmax * S (always 1
+            with ``tiered``: the split path does not read INT4 pages).
         workspace: optional scratch for N > 1, exactly
             ``DecodeWorkspace.allocate(T, H, N, D)`` (allocated per call when omitted).
         split_config: launch parameters of the split-KV path; default
             ``default_split_config(q.device)``.
+        tiered: int4 / mixed pools (``decode_attention.TieredPages``): ``k_pool``/``v_pool``
+            are the FP8 slots, pages without one are read as INT4.
     """
     _check_inputs(q, k_pool, v_pool, page_table, cu_extend, prefix_lens)
     _check_scales(k_pool, k_scale, v_scale)
+    _check_tiered(k_pool, tiered)
     max_seq_len = page_table.shape[1] * k_pool.shape[1]  # bound on keys per request
     split_config = split_config or default_split_config(q.device)
-    if num_splits is None:
+    if tiered is not None:
+        num_splits = 1
+    elif num_splits is None:
         num_splits = extend_num_splits(page_table.shape[0], q.shape[1], k_pool.shape[2],
                                        max_extend_len, max_seq_len, q.device, split_config)  # fmt: skip
     assert num_splits >= 1, num_splits
@@ -558,7 +591,7 @@ def extend_attention(
                       scale, max_extend_len, num_splits, split_config, k_scale, v_scale)  # fmt: skip
         return out
     _launch(q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, scale,
-            max_extend_len, config, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+            max_extend_len, config, k_scale=k_scale, v_scale=v_scale, tiered=tiered)  # fmt: skip
     return out
 
 
@@ -577,6 +610,7 @@ def _launch(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tiered: TieredPages | None = None,
 ):
     """Launch ``_extend_kernel``; returns Triton's compiled kernel (registers, shared memory).
 
@@ -588,9 +622,11 @@ def _launch(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[2]
     grid = (num_heads, page_table.shape[0], triton.cdiv(max_extend_len, config.block_m))
+    tiered_args, vgroup = _tiered_args(tiered, prefix_lens, head_dim)
     return _extend_kernel[grid](
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out,
         prefix_lens if k_scale is None else k_scale, prefix_lens if v_scale is None else v_scale,
+        *tiered_args,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -600,7 +636,9 @@ def _launch(
         HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         REVERSE_M=config.reverse_m, SCALE_MODE=_SCALE_MODES[config.scale_mode],
-        WARP_SPEC=config.warp_specialize, PROBE=probe, QUANT=k_scale is not None,
+        WARP_SPEC=config.warp_specialize, PROBE=probe,
+        QUANT=0 if k_scale is None else (2 if tiered is not None else 1),
+        NUM_KV_HEADS=num_kv_heads, VGROUP=vgroup,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -638,7 +676,7 @@ def _launch_split(
         page_table.stride(0),
         GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_M=block_m,
         BLOCK_N=config.block_n, HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
-        DOT_PRECISION=_dot_precision(q.dtype), QUANT=k_scale is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), QUANT=int(k_scale is not None),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     merge = _decode_merge_kernel[(num_tokens, num_heads)](

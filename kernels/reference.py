@@ -38,7 +38,10 @@ __all__ = [
     "FP8_E4M3_MAX",
     "dequantize_fp8",
     "dequantize_int4",
+    "dequantize_int4_pages",
+    "dequantize_tiered_pages",
     "quantize_int4",
+    "quantize_int4_pages",
     "gather_kv",
     "paged_attention",
     "paged_decode_attention",
@@ -89,6 +92,68 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     """Inverse of ``quantize_int4``: float32 ``code * scale + zero``, last dim doubled."""
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)  # [..., D]
     return codes.float() * scale.float() + zero.float()
+
+
+def quantize_int4_pages(
+    k: torch.Tensor, v: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whole pages to INT4 (KIVI): keys per channel within the page, values per token in
+    groups of ``group`` along D (``quantize_int4``).
+
+    Args:
+        k, v: [n, S, K, D] float pages (D even, a multiple of ``group``).
+        group: value group size G along D.
+
+    Returns:
+        (k_codes [n, S, K, D/2] uint8, k_stat [n, 2, K, D] fp16 (scale, zero per channel),
+        v_codes [n, S, K, D/2] uint8, v_stat [n, S, K, 2, D/G] fp16 (scale, zero per group)).
+    """
+    n, page_size, num_kv_heads, head_dim = v.shape
+    k_codes, k_scale, k_zero = quantize_int4(k, dim=1)  # stats [n, 1, K, D]
+    k_stat = torch.cat((k_scale, k_zero), dim=1)  # [n, 2, K, D]
+    grouped = v.reshape(n, page_size, num_kv_heads, head_dim // group, group)
+    v_codes, v_scale, v_zero = quantize_int4(grouped, dim=-1)  # codes [n, S, K, D/G, G/2]
+    v_stat = torch.stack((v_scale[..., 0], v_zero[..., 0]), dim=3)  # [n, S, K, 2, D/G]
+    return k_codes, k_stat, v_codes.reshape(n, page_size, num_kv_heads, head_dim // 2), v_stat
+
+
+def dequantize_int4_pages(
+    k_codes: torch.Tensor, k_stat: torch.Tensor, v_codes: torch.Tensor, v_stat: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``quantize_int4_pages`` -> (k, v) float32 [n, S, K, D]."""
+    k = dequantize_int4(k_codes, k_stat[:, 0:1], k_stat[:, 1:2])
+    n, page_size, num_kv_heads, half = v_codes.shape
+    num_groups = v_stat.shape[-1]
+    codes = v_codes.reshape(n, page_size, num_kv_heads, num_groups, half // num_groups)
+    v = dequantize_int4(codes, v_stat[:, :, :, 0, :, None], v_stat[:, :, :, 1, :, None])
+    return k, v.reshape(n, page_size, num_kv_heads, 2 * half)
+
+
+def dequantize_tiered_pages(
+    pages: torch.Tensor,
+    fp8_slot: torch.Tensor,
+    k8: torch.Tensor,
+    v8: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_stat: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_stat: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read pages of a tiered (INT4 + FP8-slot) pool of one layer as float32 (k, v) [n, S, K, D].
+
+    A logical page ``p`` is in FP8 slot ``fp8_slot[p]`` of ``k8``/``v8`` ([F, S, K, D]
+    float8_e4m3fn, static [K] scales) when that is >= 0, else INT4 in ``k_codes[p]`` etc.
+    (layouts of ``quantize_int4_pages``, indexed by logical page). ``pages`` [n] int64.
+    """
+    slots = fp8_slot[pages].long()  # [n]
+    in_fp8 = (slots >= 0)[:, None, None, None]
+    safe = slots.clamp(min=0)
+    k_fp8 = dequantize_fp8(k8.view(torch.uint8)[safe].view(torch.float8_e4m3fn), k_scale)
+    v_fp8 = dequantize_fp8(v8.view(torch.uint8)[safe].view(torch.float8_e4m3fn), v_scale)
+    k4, v4 = dequantize_int4_pages(k_codes[pages], k_stat[pages], v_codes[pages], v_stat[pages])
+    return torch.where(in_fp8, k_fp8, k4), torch.where(in_fp8, v_fp8, v4)
 
 
 def store_kv(

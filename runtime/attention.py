@@ -64,7 +64,23 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend in plain PyTorch (``radixlm.kernels.reference``); runs anywhere."""
+    """Reference backend in plain PyTorch (``radixlm.kernels.reference``); runs anywhere.
+
+    Tiered pools (int4 / mixed): new tokens go to their pages' FP8 slots; every layer then
+    dequantises the pages the batch's page table names (``KVPool.dequantize_pages``) into a
+    compact float32 pool and attends over that with the page table renumbered (``prepare``).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__(device)
+        self._pages: torch.Tensor | None = None  # tiered: unique pages of the batch [U]
+        self._table: torch.Tensor | None = None  # page table renumbered into them [B, Pmax]
+
+    def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
+        if not pool.tiered:
+            return
+        pages, inverse = torch.unique(batch.page_table.long(), return_inverse=True)
+        self._pages, self._table = pages, inverse.to(torch.int32)
 
     def forward(
         self,
@@ -77,18 +93,26 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
         k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
-        reference.store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale)
+        page_table = batch.page_table
+        if pool.tiered:
+            slots = pool.fp8_slots_of(batch.out_slots)
+            reference.store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale)
+            assert self._pages is not None and self._table is not None, "prepare() not called"
+            k_pool, v_pool = pool.dequantize_pages(layer_id, self._pages)  # [U, S, K, D] float32
+            page_table, k_scale, v_scale = self._table, None, None
+        else:
+            reference.store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale)
         scale = q.shape[-1] ** -0.5
         if batch.is_decode:
             seq_lens = [p + 1 for p in batch.prefix_lens_cpu]
             return reference.paged_decode_attention(
-                q, k_pool, v_pool, batch.page_table, seq_lens, scale, k_scale, v_scale
+                q, k_pool, v_pool, page_table, seq_lens, scale, k_scale, v_scale
             )
         return reference.paged_attention(
             q,
             k_pool,
             v_pool,
-            batch.page_table,
+            page_table,
             batch.prefix_lens_cpu,
             batch.extend_lens_cpu,
             scale=scale,
@@ -154,7 +178,14 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
         k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
-        self._store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale)
+        slots, tiered = batch.out_slots, None
+        if pool.tiered:  # new tokens go to FP8 slots; the kernels also read INT4 pages
+            slots = pool.fp8_slots_of(batch.out_slots)
+            tiered = self._decode.TieredPages(
+                pool.fp8_slot, pool.k_codes[layer_id], pool.k_stat[layer_id],
+                pool.v_codes[layer_id], pool.v_stat[layer_id],
+            )  # fmt: skip
+        self._store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale)
         if not pool.quantised:
             q = q.to(k_pool.dtype)
         scale = q.shape[-1] ** -0.5
@@ -168,11 +199,12 @@ class TritonAttentionBackend(AttentionBackend):
             return self._extend_mod.extend_attention(
                 q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
                 scale, max_extend_len=max(batch.extend_lens_cpu), k_scale=k_scale, v_scale=v_scale,
-                num_splits=self._num_splits, workspace=work,
+                num_splits=self._num_splits, workspace=work, tiered=tiered,
             )  # fmt: skip
         return self._decode.decode_attention(
             q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
             num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
+            tiered=tiered,
         )  # fmt: skip
 
 

@@ -32,7 +32,7 @@ from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
 from radixlm.runtime.forward_batch import ForwardBatch, to_device
 from radixlm.runtime.grammar import apply_grammar_masks
 from radixlm.runtime.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales, load_kv_scales
-from radixlm.runtime.memory_pool import KVPool, kv_bytes_per_token, kv_storage_dtype
+from radixlm.runtime.memory_pool import TIERED_KV, KVPool, kv_page_bytes, tiered_fp8_pages
 from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
 from radixlm.runtime.preemption import DEVICE_RATES, SwapCostModel
 from radixlm.runtime.request import Req
@@ -85,15 +85,30 @@ class ModelRunner:
         cfg = self.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         k_scales, v_scales = self._kv_scales()
+        self.num_fp8_pages = (tiered_fp8_pages(args.kv_cache_dtype, args.kv_mixed_window_pages,
+                                               args.max_running_requests, args.max_prefill_tokens, self.page_size)
+                              if args.kv_cache_dtype in TIERED_KV else None)
         self.num_pages = self._size_pool()
         self.pool = KVPool(self.num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                           self.head_dim, self.dtype, self.device, args.kv_cache_dtype, k_scales, v_scales)
+                           self.head_dim, self.dtype, self.device, args.kv_cache_dtype, k_scales, v_scales,
+                           num_fp8_pages=self.num_fp8_pages, window_pages=args.kv_mixed_window_pages)
         self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
+        pool = self.pool
+        bf16_page = kv_page_bytes("bf16", self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                  self.head_dim, self.page_size)
+        page = kv_page_bytes(args.kv_cache_dtype, self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                             self.head_dim, self.page_size)
         logger.info("KV pool: %d pages x %d tokens = %d tokens, %d bytes = %.1f MiB incl. %d bytes of "
-                    "metadata (kv cache %s in %s, %d bytes/token; model %s, %s)", self.num_pages - 1,
-                    self.page_size, (self.num_pages - 1) * self.page_size, self.pool.total_bytes,
-                    self.pool.total_bytes / 2**20, self.pool.metadata_bytes, args.kv_cache_dtype,
-                    str(self.pool.dtype).removeprefix("torch."), self.pool.bytes_per_token, self.dtype, self.device)
+                    "metadata (kv cache %s in %s, %d bytes/token = %.3f of bf16 with its scales; model %s, %s)",
+                    self.num_pages - 1, self.page_size, (self.num_pages - 1) * self.page_size, pool.total_bytes,
+                    pool.total_bytes / 2**20, pool.metadata_bytes, args.kv_cache_dtype,
+                    "int4 + fp8 slots" if pool.tiered else str(pool.dtype).removeprefix("torch."),
+                    pool.bytes_per_token, page / bf16_page, self.dtype, self.device)
+        if pool.tiered:
+            logger.info("KV pool: %d FP8 slot pages (%d bytes) for pages not demoted to INT4 yet "
+                        "(%s); whole pool %.3f of a bf16 pool of as many tokens", pool.num_fp8_pages,
+                        pool.fp8_slot_bytes, f"window {pool.window_pages} pages + sink" if pool.keep_sink
+                        else "pages being filled", pool.total_bytes / (bf16_page * self.num_pages))
         # The last launch's sampled ids stay on the device: the next launch may feed them
         # before the host has read them (overlap scheduling). _prev_rows: request -> row.
         # A step samples at most one row per running request.
@@ -131,7 +146,7 @@ class ModelRunner:
         """FP8 KV scales [L, K] from --kv-scales-path or a calibration pass (None, None for
         float caches). Raises KVScalesError (the server does not start) when unusable."""
         args, cfg = self.args, self.config
-        if args.kv_cache_dtype != "fp8_e4m3":
+        if args.kv_cache_dtype not in ("fp8_e4m3", *TIERED_KV):
             return None, None
         if args.kv_scales_path:
             scales = load_kv_scales(args.kv_scales_path, cfg.num_hidden_layers, cfg.num_key_value_heads)
@@ -148,13 +163,18 @@ class ModelRunner:
     def _size_pool(self) -> int:
         """Pages (including the dummy page 0) from --max-total-tokens or the memory fraction."""
         cfg, args = self.config, self.args
-        kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
-        per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, kv_dtype)
+        page = kv_page_bytes(args.kv_cache_dtype, self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                             self.head_dim, self.page_size)
+        per_token = -(-page // self.page_size)  # int4 / mixed: INT4 page + statistics
+        fp8_bytes = 0  # tiered pools: their FP8 slots come out of the budget first
+        if self.num_fp8_pages:
+            fp8_bytes = self.num_fp8_pages * kv_page_bytes("fp8_e4m3", self.dtype, cfg.num_hidden_layers,
+                                                           cfg.num_key_value_heads, self.head_dim, self.page_size)
         tokens = args.max_total_tokens
         source = "--max-total-tokens"
         if tokens is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * args.mem_fraction_static - (total - free)
+            budget = total * args.mem_fraction_static - (total - free) - fp8_bytes
             tokens = int(budget // per_token)
             logger.info("KV pool sizing: --mem-fraction-static %.2f x %.2f GiB device memory - %.2f GiB "
                         "in use (weights, CUDA context) = %.2f GiB for KV / %d bytes per token = %d tokens",
@@ -216,6 +236,8 @@ class ModelRunner:
         """
         items = decision.items
         inputs, inflight = self._inputs(items)
+        writes = [(it.req.pages, it.start, it.num_tokens) for it in items] if self.pool.tiered else []
+        self.pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the pages written
         hidden = self._replay_decode(items, inputs, inflight)
         if hidden is not None:  # every item samples from its one row, in order
             rows = [([], i) for i in range(len(items))]
@@ -226,6 +248,8 @@ class ModelRunner:
                 src = to_device(torch.tensor([r for _, r in inflight]), self.device)
                 batch.input_ids[flat] = self._prev_ids[src]
             hidden = self.model.forward(batch, self.pool)
+        if writes:  # int4 / mixed: demote pages that left the FP8 window (all of a prompt's)
+            self.pool.end_pass(writes, [it.num_tokens > 1 or it.start < len(it.req.prompt_ids) for it in items])
         logits = self.model.compute_logits(hidden)  # [N, V] float32
         step = PendingStep(items, [ItemResult() for _ in items])
         self._prompt_logprobs(items, rows, logits, step.results)

@@ -45,6 +45,9 @@ class Scheduler:
         self.args = args
         self.runner = runner
         self.allocator = PageAllocator(runner.num_pages)
+        tiered = getattr(runner.pool, "tiered", False)  # int4 / mixed KV (stub runners: none)
+        if tiered:
+            runner.pool.attach_allocator(self.allocator)  # their FP8 slots of freed pages come back
         tree = None
         if not args.disable_radix_cache:
             tree = RadixTree(args.page_size, eviction_policy=args.radix_eviction_policy)
@@ -60,7 +63,9 @@ class Scheduler:
             reserve_ratio_init=args.decode_reserve_ratio,
             reserve_ratio_min=args.decode_reserve_min_ratio,
             preemption_mode=args.preemption_mode,
-            swap_capacity_tokens=int(args.swap_space_gb * 2**30) // runner.pool.bytes_per_token,
+            # int4 / mixed pools cannot swap (KVPool.read_pages): auto then always recomputes.
+            swap_capacity_tokens=0 if tiered
+            else int(args.swap_space_gb * 2**30) // runner.pool.bytes_per_token,
             swap_is_cheaper=runner.swap_cost_model().swap_is_cheaper,
             context_length=runner.context_length,
             schedule_policy=args.schedule_policy,
@@ -336,8 +341,11 @@ class Scheduler:
         )
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if page accounting or the radix tree is inconsistent."""
+        """Raise AssertionError if page accounting, the radix tree or (int4 / mixed) the FP8
+        slots of the KV pool are inconsistent."""
         self.cache.check_invariants(self.planner.live)
+        if getattr(self.runner.pool, "tiered", False):
+            self.runner.pool.check_invariants()
 
     def _debug_check(self, when: str) -> None:
         try:

@@ -92,8 +92,14 @@ class ServerArgs:
         "auto",
         "KV-cache page format: 'auto' (the model dtype), 'bf16', 'fp16', 'fp8_e4m3' (half "
         "the bytes of bf16; per-layer, per-kv-head scales from --kv-scales-path or a "
-        "calibration pass at start-up).",
+        "calibration pass at start-up), 'int4' (KIVI 4-bit pages, written in FP8 and "
+        "demoted once full), 'mixed' (int4, but each sequence's first page and last "
+        "--kv-mixed-window-pages full pages stay FP8). int4 and mixed do not swap "
+        "(--preemption-mode auto recomputes).",
         KV_CACHE_DTYPES,
+    )
+    kv_mixed_window_pages: int = _opt(
+        2, "--kv-cache-dtype mixed: full pages at the end of each sequence kept in FP8."
     )
     kv_scales_path: str | None = _opt(
         None,
@@ -240,8 +246,13 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
-        if self.kv_scales_path is not None and self.kv_cache_dtype != "fp8_e4m3":
-            raise ValueError("--kv-scales-path only applies to --kv-cache-dtype fp8_e4m3")
+        if self.kv_scales_path is not None and self.kv_cache_dtype not in ("fp8_e4m3", "int4", "mixed"):
+            raise ValueError("--kv-scales-path only applies to --kv-cache-dtype fp8_e4m3, int4 or mixed")
+        if self.kv_mixed_window_pages < 0:
+            raise ValueError("--kv-mixed-window-pages must be >= 0")
+        if self.kv_cache_dtype in ("int4", "mixed") and self.preemption_mode == "swap":
+            raise ValueError(f"--preemption-mode swap is not supported with --kv-cache-dtype "
+                             f"{self.kv_cache_dtype} (use recompute or auto)")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page")
         if not 0.0 < self.mem_fraction_static < 1.0:

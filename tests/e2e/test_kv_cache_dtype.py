@@ -42,3 +42,33 @@ def test_server_refuses_to_start_with_unusable_scales(server_factory, tmp_path):
             kv_cache_dtype="fp8_e4m3", kv_scales_path=str(path), max_total_tokens=4096
         ):
             pass
+
+
+def test_mixed_server_answers_reuses_pages_and_logs_its_capacity(server_factory, idle_invariants):
+    """mixed (time-decay INT4): answers, the radix cache serves the prompt's pages (some
+    demoted to INT4 by then), and the start-up log gives tokens, bytes and the bf16 ratio."""
+    with server_factory(kv_cache_dtype="mixed", max_total_tokens=4096, log_level="info") as srv:
+        with srv.client() as c:
+            body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+            first = c.post("/generate", json=body).json()
+            second = c.post("/generate", json=body).json()
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            chat = c.post("/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16, "temperature": 0}).json()  # fmt: skip
+        n = first["meta_info"]["prompt_tokens"]
+        assert second["meta_info"]["cached_tokens"] == (n - 1) // 16 * 16
+        assert len(first["output_ids"]) == len(second["output_ids"]) == 12
+        assert "Paris" in chat["choices"][0]["message"]["content"]
+        idle_invariants(srv)
+        log = srv.log()
+    # 257 pages x 120960 B of INT4 pages + statistics, 257 FP8 slot pages (the pool is
+    # small: every page may keep one) + 720 B of scales + 4 B per page of slot map
+    assert "4096 tokens, 78458708 bytes" in log and "7560 bytes/token = 0.328 of bf16" in log
+    assert "257 FP8 slot pages" in log
+
+
+def test_int4_server_refuses_swap_preemption(server_factory):
+    with pytest.raises(RuntimeError, match="--preemption-mode swap is not supported with --kv-cache-dtype int4"):
+        with server_factory(kv_cache_dtype="int4", preemption_mode="swap", max_total_tokens=4096):
+            pass

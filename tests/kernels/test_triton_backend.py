@@ -30,7 +30,8 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 6, 2, 64, 4
 def _pool(kv_cache_dtype: str = "auto") -> KVPool:
     scales = (torch.tensor([[0.011, 0.007]]), torch.tensor([[0.009, 0.013]]))  # [L, K]
     pool = KVPool(24, PAGE, 1, KV_HEADS, HEAD_DIM, torch.float32, DEVICE, kv_cache_dtype,
-                  *(scales if kv_cache_dtype == "fp8_e4m3" else (None, None)))  # fmt: skip
+                  *(scales if kv_cache_dtype in ("fp8_e4m3", "int4", "mixed") else (None, None)),
+                  window_pages=1)  # fmt: skip
     pool.k[0].fill_(float("nan"))  # slots never written must never be read
     pool.v[0].fill_(float("nan"))
     return pool
@@ -41,15 +42,20 @@ def _step(backend, pool: KVPool, batch: ForwardBatch, seed: int) -> torch.Tensor
     tokens = batch.num_tokens
     q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(DEVICE)
     kv = torch.randn(tokens, 2 * KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    tables = batch.page_table.tolist()
+    writes = list(zip(tables, batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True))
+    pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the pages written, then demotion
     backend.prepare(batch, pool)
-    return backend.forward(q, kv[:, :KV_HEADS], kv[:, KV_HEADS:], 0, batch, pool)
+    out = backend.forward(q, kv[:, :KV_HEADS], kv[:, KV_HEADS:], 0, batch, pool)
+    pool.end_pass(writes)
+    return out
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int4", "mixed"])
 def test_triton_backend_matches_torch_backend(kv_cache_dtype: str) -> None:
     pools = {"torch": _pool(kv_cache_dtype), "triton": _pool(kv_cache_dtype)}
     backends = {"torch": TorchAttentionBackend(DEVICE), "triton": TritonAttentionBackend(DEVICE)}
-    if kv_cache_dtype == "fp8_e4m3" and DEVICE == "cpu":
+    if kv_cache_dtype != "auto" and DEVICE == "cpu":
         # The Triton interpreter's float32 -> e4m3 conversion loses the carry into the next
         # binade for a few values (tests/kernels/test_kv_fp8.py checks store_kv with that
         # allowance), so here the triton backend stores through the reference.
@@ -72,6 +78,12 @@ def test_triton_backend_matches_torch_backend(kv_cache_dtype: str) -> None:
         assert not outs["triton"].isnan().any()
         torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pools["triton"].k[0].float(), pools["torch"].k[0].float(), equal_nan=True)
+    if pools["torch"].tiered:  # INT4 pages were read: the requests filled 2, 6 and 2 pages
+        demoted = {"int4": 10, "mixed": 4}[kv_cache_dtype]  # mixed: sink + 1 window page kept
+        assert pools["torch"].num_demoted == pools["triton"].num_demoted == demoted
+        int4 = [p for row in tables for p in row if int(pools["torch"].fp8_slot[p]) < 0]
+        assert len(int4) == demoted
+        assert torch.equal(pools["triton"].k_codes[0][int4], pools["torch"].k_codes[0][int4])
 
 
 def test_triton_backend_split_extend_over_a_long_prefix() -> None:

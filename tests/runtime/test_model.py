@@ -62,8 +62,12 @@ class Session:
             tables.append(table)
         rows = list(range(sum(len(t) for t in tokens)))
         batch = ForwardBatch.build(tokens, prefix, tables, rows, self.page_size, self.device)
+        writes = [(table, start, len(ids)) for table, start, ids in zip(tables, prefix, tokens, strict=True)]
         with torch.inference_mode():
-            logits = self.model.compute_logits(self.model(batch, self.pool))
+            self.pool.begin_pass(writes)  # int4 / mixed pools: FP8 slots, then demotion
+            hidden = self.model(batch, self.pool)
+            self.pool.end_pass(writes)
+            logits = self.model.compute_logits(hidden)
         return dict(zip(chunks, logits.split([len(t) for t in tokens]), strict=True))
 
 

@@ -205,7 +205,7 @@ def test_kv_pool_sizing_is_logged(monkeypatch: pytest.MonkeyPatch, caplog: pytes
     from radixlm.runtime.server_args import ServerArgs
 
     cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2)
-    runner = SimpleNamespace(config=cfg, head_dim=8, dtype=torch.float32, page_size=16,
+    runner = SimpleNamespace(config=cfg, head_dim=8, dtype=torch.float32, page_size=16, num_fp8_pages=None,
                              device=torch.device("cuda"), args=ServerArgs(mem_fraction_static=0.5))
     per_token = 2 * 2 * 2 * 8 * 4  # K and V x layers x kv heads x head dim x fp32 bytes
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * 2**30, 8 * 2**30))
@@ -221,3 +221,14 @@ def test_kv_pool_sizing_is_logged(monkeypatch: pytest.MonkeyPatch, caplog: pytes
     with caplog.at_level(logging.INFO, logger="radixlm.model_runner"):
         assert ModelRunner._size_pool(runner) == 4096 // 16 + 1
     assert f"KV pool capacity from --max-total-tokens: 4096 tokens x {per_token} bytes" in caplog.text
+    # int4: the FP8 slots come out of the budget first; INT4 pages cost 2 x 2 x (16 x 8 codes
+    # + 2 x 8 x 2 key stats + 16 x 2 x 1 x 2 value stats) = 896 bytes per page, 56 per token.
+    caplog.clear()
+    runner.args = ServerArgs(mem_fraction_static=0.5, kv_cache_dtype="int4")
+    runner.num_fp8_pages = 10
+    fp8_page = 16 * 2 * 2 * 2 * 8  # bytes of one FP8 slot page
+    with caplog.at_level(logging.INFO, logger="radixlm.model_runner"):
+        pages = ModelRunner._size_pool(runner)
+    tokens = int((8 * 2**30 * 0.5 - 2 * 2**30 - 10 * fp8_page) // 56)
+    assert pages == tokens // 16 + 1
+    assert f"KV pool capacity from --mem-fraction-static: {tokens} tokens x 56 bytes" in caplog.text
