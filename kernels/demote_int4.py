@@ -32,7 +32,7 @@ import triton.language as tl
 
 __all__ = ["demote_pages"]
 
-_RNE = 12582912.0  # 1.5 * 2^23: x + _RNE - _RNE rounds |x| < 2^22 to an integer, ties to even
+_RNE = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + _RNE - _RNE rounds |x| < 2^22 to an integer, ties to even
 
 
 @triton.jit
