@@ -11,16 +11,22 @@ import pytest
 PROMPT = "List three facts about the Moon. " * 8  # ~64 tokens
 
 
+def _twice_and_chat(srv):
+    """The same greedy /generate twice (the second reuses the first's pages), then a chat."""
+    with srv.client() as c:
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        first = c.post("/generate", json=body).json()
+        second = c.post("/generate", json=body).json()
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        chat = c.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16, "temperature": 0}).json()  # fmt: skip
+    return first, second, chat
+
+
 def test_fp8_server_answers_and_shares_fp8_prefix_pages(server_factory, idle_invariants):
     with server_factory(kv_cache_dtype="fp8_e4m3", max_total_tokens=4096, log_level="info") as srv:
-        with srv.client() as c:
-            body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
-            first = c.post("/generate", json=body).json()
-            second = c.post("/generate", json=body).json()
-            model = c.get("/v1/models").json()["data"][0]["id"]
-            chat = c.post("/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "max_tokens": 16, "temperature": 0}).json()  # fmt: skip
+        first, second, chat = _twice_and_chat(srv)
         n = first["meta_info"]["prompt_tokens"]
         assert second["meta_info"]["cached_tokens"] == (n - 1) // 16 * 16
         assert second["output_ids"] == first["output_ids"] and len(first["output_ids"]) == 12
@@ -48,14 +54,7 @@ def test_mixed_server_answers_reuses_pages_and_logs_its_capacity(server_factory,
     """mixed (time-decay INT4): answers, the radix cache serves the prompt's pages (some
     demoted to INT4 by then), and the start-up log gives tokens, bytes and the bf16 ratio."""
     with server_factory(kv_cache_dtype="mixed", max_total_tokens=4096, log_level="info") as srv:
-        with srv.client() as c:
-            body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
-            first = c.post("/generate", json=body).json()
-            second = c.post("/generate", json=body).json()
-            model = c.get("/v1/models").json()["data"][0]["id"]
-            chat = c.post("/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "max_tokens": 16, "temperature": 0}).json()  # fmt: skip
+        first, second, chat = _twice_and_chat(srv)
         n = first["meta_info"]["prompt_tokens"]
         assert second["meta_info"]["cached_tokens"] == (n - 1) // 16 * 16
         assert len(first["output_ids"]) == len(second["output_ids"]) == 12
