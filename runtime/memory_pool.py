@@ -171,14 +171,17 @@ def kv_page_bytes(
 
 def tiered_fp8_pages(
     kv_cache_dtype: str, window_pages: int, max_running_requests: int, max_prefill_tokens: int,
-    page_size: int,
+    page_size: int, context_length: int | None = None,
 ) -> int:
     """FP8 slots (dummy slot 0 included) a tiered pool needs so that slots never run out in
-    normal operation: per running request the pages it keeps in FP8 (mixed: sink + window)
+    normal operation: per running request the pages it keeps in FP8 (mixed: sink + window,
+    at most the pages of ``context_length`` tokens: a longer window keeps nothing more)
     plus its page being filled and a page-boundary crossing, plus the pages one step's
     prefill tokens can fill. When they do run out, ``KVPool.begin_pass`` demotes the least
     recently written full FP8 pages early."""
     keep = window_pages + 1 if kv_cache_dtype == "mixed" else 0
+    if context_length is not None:
+        keep = min(keep, -(-context_length // page_size))
     return 1 + max_running_requests * (keep + 2) + -(-max_prefill_tokens // page_size)
 
 

@@ -68,6 +68,9 @@ def test_capacity_ratios_vs_bf16_with_statistics_counted() -> None:
     # FP8 slots a server needs: mixed keeps sink + window per request, + filling + crossing.
     assert tiered_fp8_pages("mixed", 2, 64, 4096, 16) == 1 + 64 * 5 + 256
     assert tiered_fp8_pages("int4", 2, 64, 4096, 16) == 1 + 64 * 2 + 256
+    # a window longer than the context keeps no more than the context's pages in FP8
+    assert tiered_fp8_pages("mixed", 100_000, 64, 4096, 16, context_length=8192) == 1 + 64 * (512 + 2) + 256
+    assert tiered_fp8_pages("mixed", 2, 64, 4096, 16, context_length=8192) == 1 + 64 * 5 + 256
 
 
 def test_int4_page_round_trip_error_is_within_half_a_step() -> None:
