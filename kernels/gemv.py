@@ -5,8 +5,9 @@ FLOPs per weight element per row, so they are bound by the weight read (PERFORMA
 bandwidth floor). Inside the 8B decode graph on an H200, cuBLAS reaches 91-92% of the
 copy bandwidth on the MLP weights but 71-77% on the attention projections (qkv 4096 ->
 6144, o_proj 4096 -> 4096), and splits K on o_proj and down (an extra reduce kernel
-each). This kernel beats it at batch 1 on all four (``GemvConfig.for_k``); at batch 2-4
-cuBLAS is as fast or faster, so the model uses it for single-row inputs only
+each). This kernel beats it at batch 1 on all four (``GemvConfig.for_k``); at batch 2 it
+wins on three and loses on gate_up, at batch 4 it loses on all (each row of x re-reads
+its tile from L2), so the model uses it for single-row inputs only
 (runtime/models/llama.py).
 
 Dimension letters: M rows of x (1..4), N output features, K input features.
