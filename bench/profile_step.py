@@ -39,12 +39,16 @@ def main() -> None:
     ap.add_argument("--json-schema", action="store_true",
                     help="every request under bench_structured.py's JSON schema (no ignore_eos)")
     ap.add_argument("--no-profile", action="store_true", help="time the steps without cProfile")
+    ap.add_argument("--disable-overlap-schedule", action="store_true",
+                    help="read each step's tokens before planning the next (the server flag)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16")
     del model
     server = ServerArgs(model_path=str(model_dir), device=DEVICE, max_running_requests=args.batch,
-                        max_total_tokens=args.batch * 1024, dtype="bfloat16" if DEVICE == "cuda" else "float32")
+                        max_total_tokens=args.batch * 1024,
+                        disable_overlap_schedule=args.disable_overlap_schedule,
+                        dtype="bfloat16" if DEVICE == "cuda" else "float32")
     sched = Scheduler(server, ModelRunner(server))
     rng = random.Random(0)
     schema = json.dumps(SCHEMA) if args.json_schema else None
@@ -73,7 +77,8 @@ def main() -> None:
         stats = pstats.Stats(prof, stream=text)
         stats.sort_stats("tottime").print_stats(35)
         stats.sort_stats("cumulative").print_stats(35)
-    tag = ("_json" if args.json_schema else "") + ("_noprof" if args.no_profile else "")
+    tag = ("_json" if args.json_schema else "") + ("_nooverlap" if args.disable_overlap_schedule else "") + (
+        "_noprof" if args.no_profile else "")
     how = "not profiled" if args.no_profile else "profiled"
     report = f"batch {args.batch}{tag}: {wall_ms:.2f} ms per step ({how})\n{text.getvalue()}"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.attention import TritonAttentionBackend
 from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
 from radixlm.runtime.forward_batch import ForwardBatch, to_device
-from radixlm.runtime.grammar import apply_grammar_masks
+from radixlm.runtime.grammar import GrammarMasker
 from radixlm.runtime.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales, load_kv_scales
 from radixlm.runtime.memory_pool import TIERED_KV, KVPool, kv_page_bytes, tiered_fp8_pages
 from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
@@ -81,6 +81,7 @@ class ModelRunner:
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.config, self.tokenizer)
         self.context_length = args.context_length or int(self.config.max_position_embeddings)
         self.vocab_size = int(self.config.vocab_size)
+        self.grammar_masker = GrammarMasker(self.vocab_size, self.device)  # buffers made on first use
         self.page_size = args.page_size
         cfg = self.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -360,7 +361,7 @@ class ModelRunner:
         top_k = max(req.top_logprobs_num for req in reqs)
         sb = SamplingBatch.build(infos, self.device)
         matchers = [self._grammar_for_step(req) for req in reqs]
-        mask = partial(apply_grammar_masks, matchers=matchers) if any(m is not None for m in matchers) else None
+        mask = partial(self.grammar_masker.apply, matchers=matchers) if any(m is not None for m in matchers) else None
         sample_rows = [r for _, r in picks]
         if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
             chosen = logits[sample_rows[0] : sample_rows[0] + len(sample_rows)]  # a view: no index copy
