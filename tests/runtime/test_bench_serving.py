@@ -4,6 +4,7 @@ replay against a fake client, plots, and the transformers baselines on a tiny mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import statistics
@@ -199,11 +200,14 @@ def test_server_hit_rate_is_a_counter_delta() -> None:
     stats = bs.ServerStats(client=None, base_url="http://x")
     stats.before = values
     stats.kv_samples = [0.25, 0.75]
+    stats.waste_samples = [0.01, 0.03]
     after = {**values, "radixlm:prompt_tokens_total": 3000.0, "radixlm:cached_tokens_total": 1800.0}
     assert stats.summary(after) == {
         "prefix_cache_hit_rate": pytest.approx(0.75),  # 1500 cached of 2000 new prompt tokens
         "kv_usage_mean": 0.5,
         "kv_usage_max": 0.75,
+        "kv_waste_mean": pytest.approx(0.02),
+        "kv_waste_max": 0.03,
     }
     stats.before = None
     assert stats.summary(after)["prefix_cache_hit_rate"] is None
@@ -343,3 +347,31 @@ def test_hf_generate_batch_continuous_batching(tiny_model) -> None:
     m = compute_metrics(outs, duration, len(outs))
     assert m["completed"] == 6 and m["mean_ttft_ms"] is None
     assert m["total_output_tokens"] == sum(r.output_len for r in reqs)
+
+
+def test_sample_kv_keeps_waste_only_while_pages_are_in_use() -> None:
+    scrapes = iter([
+        {"radixlm:kv_cache_usage": 0.0, "radixlm:kv_cache_waste_ratio": 0.0},  # idle: no waste sample
+        None,  # a failed scrape
+        {"radixlm:kv_cache_usage": 0.5, "radixlm:kv_cache_waste_ratio": 0.02},
+        {"radixlm:kv_cache_usage": 0.25, "radixlm:kv_cache_waste_ratio": 0.04},
+    ])
+    stats = bs.ServerStats(client=None, base_url="http://x")
+
+    async def scrape():
+        try:
+            return next(scrapes)
+        except StopIteration:
+            raise asyncio.CancelledError from None
+
+    stats.scrape = scrape
+
+    async def run():
+        with contextlib.suppress(asyncio.CancelledError):
+            await stats.sample_kv(period_s=0)
+
+    asyncio.run(run())
+    assert stats.kv_samples == [0.0, 0.5, 0.25]
+    assert stats.waste_samples == [0.02, 0.04]
+    summary = stats.summary(None)
+    assert summary["kv_waste_mean"] == pytest.approx(0.03) and summary["kv_waste_max"] == 0.04
