@@ -25,7 +25,14 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_e2e import DEVICE, SHAPES, build_checkpoint, load_real_model, server_flags  # noqa: E402
+from gpu_e2e import (  # noqa: E402
+    DEVICE,
+    SHAPES,
+    build_checkpoint,
+    load_real_model,
+    server_flags,
+    stream_generate,
+)
 
 from radixlm.runtime.server_process import ServerProcess  # noqa: E402
 
@@ -39,17 +46,8 @@ OUTPUT_LEN = 128
 
 
 def _stream(url: str, prompt: str, sampling: dict) -> dict:
-    body = {
-        "text": prompt,
-        "stream": True,
-        "sampling_params": {"max_new_tokens": OUTPUT_LEN, **sampling},
-    }
-    t0, stamps, last = time.perf_counter(), [], None
-    with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/generate", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                stamps.append(time.perf_counter())
-                last = json.loads(line[6:])
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": OUTPUT_LEN, **sampling}}
+    t0, stamps, last = stream_generate(url, body)
     tokens = last["meta_info"]["completion_tokens"]
     return {
         "ttft_s": stamps[0] - t0,

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_e2e import DEVICE, build_checkpoint, server_flags  # noqa: E402
+from gpu_e2e import DEVICE, build_checkpoint, server_flags, stream_generate  # noqa: E402
 
 from radixlm.runtime import bench_serving  # noqa: E402
 from radixlm.runtime.server_process import ServerProcess  # noqa: E402
@@ -198,17 +198,9 @@ def prefix_ttft_4k(url: str, vocab: int = 49152, new_tokens: int = 8) -> dict:
     import httpx
 
     def generate(ids: list[int], n: int) -> tuple[float, list[int], int]:
-        body = {"input_ids": ids, "stream": True,
-                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-        t0, ttft, out, cached = time.perf_counter(), None, [], 0
-        with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/generate", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    out = chunk.get("output_ids", out)
-                    cached = chunk.get("meta_info", {}).get("cached_tokens", cached)
-        return ttft, out, cached
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+        t0, stamps, last = stream_generate(url, body)
+        return stamps[0] - t0, last["output_ids"], last["meta_info"]["cached_tokens"]
 
     r = rnd.Random(7)
     prompt = [r.randrange(3, vocab) for _ in range(4096)]
