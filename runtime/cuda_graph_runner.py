@@ -30,6 +30,24 @@ the splits past their length empty. The LM head stays outside the graph (one GEM
 [Bg, V] float32 output per bucket would cost far more memory than it saves time).
 Requires the Triton attention backend (the torch reference backend loops over requests
 on the host) and a CUDA device; sampling runs after the replay, outside the graph.
+
+Extend graphs (``max_extend_tokens`` > 0): one request extending T new tokens, 2 <= T <=
+the largest of ``graph_extend_sizes`` (a short prompt, or the uncached tail of a prompt
+whose prefix is in the radix tree: the cached-prefix TTFT). An eager pass launches ~11
+kernels per layer (~19 ms of host time for the 8B shape on the H200 host, whatever T is);
+the replay is one launch. The T tokens are padded to the bucket Tg >= T with tokens that
+come *after* them: the extend kernel's causal mask hides them from the real queries,
+they sit at position 0 (in range of the rotary table), write their K/V to the dummy slot
+0, and only the hidden state of the last real token (row T - 1) is returned::
+
+    static inputs [4, Tmax] int64, one host-to-device copy: input_ids, positions,
+      out_slots (first Tg columns) and (prefix_len, T - 1, page-table row) in row 3
+    graph(Tg): prefix_lens = prefix_len; seq_lens = prefix_len + Tg; cu_extend = [0, Tg]
+               page_table = req_pages[row]; model.forward -> hidden [1, E] of row T - 1
+
+Sized at capture from the bound (prefix ``Pmax * page_size - Tg``), the split-KV extend
+kernel (``extend_num_splits``) always runs, its grid fixed; splits past a prefix's length
+are empty. Not for int4 / mixed pools (their FP8 slot map is computed on the host).
 """
 
 from __future__ import annotations
@@ -43,7 +61,7 @@ import torch
 from radixlm.runtime.forward_batch import ForwardBatch, to_device
 from radixlm.runtime.memory_pool import KVPool
 
-__all__ = ["CudaGraphRunner", "PageTableRows", "graph_batch_sizes"]
+__all__ = ["CudaGraphRunner", "PageTableRows", "graph_batch_sizes", "graph_extend_sizes"]
 
 logger = logging.getLogger("radixlm.cuda_graph")
 
@@ -61,6 +79,20 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return [*sizes, max_bs]
 
 
+def graph_extend_sizes(max_tokens: int) -> list[int]:
+    """Captured extend lengths for ``max_tokens``: powers of two from 16 below it, and
+    ``max_tokens`` itself; [] for 0 (no extend graphs). Padding is at most half a bucket.
+
+    Raises ValueError if ``max_tokens`` is negative or 1.
+    """
+    if max_tokens < 0 or max_tokens == 1:
+        raise ValueError(f"max_tokens must be 0 or >= 2, got {max_tokens}")
+    if max_tokens == 0:
+        return []
+    sizes = [s for s in (16, 32, 64, 128, 256, 512) if s < max_tokens]
+    return [*sizes, max_tokens]
+
+
 class CudaGraphRunner:
     """Decode-step graphs of ``model`` over ``pool``, one per bucket of ``graph_batch_sizes``.
 
@@ -71,12 +103,14 @@ class CudaGraphRunner:
         max_bs: the largest bucket (requests per decode step).
         max_pages: page table width Pmax (pages of the longest possible sequence).
         prev_ids: [R] int64 device buffer the -1 inputs are read from (``src_rows`` index it).
+        max_extend_tokens: the largest one-request extend replayed from a graph (0: none;
+            ``graph_extend_sizes``).
 
     Raises RuntimeError if the device is not CUDA.
     """
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_bs: int, max_pages: int,
-                 prev_ids: torch.Tensor) -> None:
+                 prev_ids: torch.Tensor, max_extend_tokens: int = 0) -> None:
         device = pool.device
         if device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
@@ -106,6 +140,18 @@ class CudaGraphRunner:
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # One-request extends: [4, Tmax] inputs (see the module docstring), derived buffers.
+        self.extend_sizes = graph_extend_sizes(max_extend_tokens)
+        t = max(self.extend_sizes, default=1)
+        self.ext_inputs = torch.zeros((4, t), dtype=torch.int64, device=device)
+        self.ext_prefix = torch.zeros(1, dtype=torch.int32, device=device)
+        self.ext_seq_len = torch.ones(1, dtype=torch.int32, device=device)
+        self.ext_row = torch.zeros(1, dtype=torch.int64, device=device)
+        self.ext_table = torch.zeros((1, max_pages), dtype=torch.int32, device=device)
+        self._ext_staging = [torch.zeros((4, t), dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._ext_turn = 0
+        self.ext_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.ext_outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = self._capture_all()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -121,26 +167,54 @@ class CudaGraphRunner:
             prefix_lens_cpu=[bound - 1] * bs, extend_lens_cpu=[1] * bs,
         )  # fmt: skip
 
+    def _static_extend_batch(self, tg: int) -> ForwardBatch:
+        """A ForwardBatch over the static extend buffers for a bucket of ``tg`` tokens, host
+        lengths at the bound (the split-KV extend path, sized for any prefix)."""
+        device = self.ext_inputs.device
+        bound = self.max_pages * self.page_size
+        return ForwardBatch(
+            input_ids=self.ext_inputs[0, :tg], positions=self.ext_inputs[1, :tg],
+            page_table=self.ext_table, prefix_lens=self.ext_prefix,
+            extend_lens=torch.full((1,), tg, dtype=torch.int32, device=device), seq_lens=self.ext_seq_len,
+            cu_extend=torch.tensor([0, tg], dtype=torch.int32, device=device),
+            out_slots=self.ext_inputs[2, :tg], logits_rows=self.ext_row, page_size=self.page_size,
+            prefix_lens_cpu=[max(bound - tg, 0)], extend_lens_cpu=[tg],
+        )  # fmt: skip
+
+    def _forward_extend(self, tg: int, batch: ForwardBatch) -> torch.Tensor:
+        meta = self.ext_inputs[3]
+        self.ext_prefix.copy_(meta[0:1])
+        self.ext_seq_len.copy_(meta[0:1] + tg)
+        self.ext_row.copy_(meta[1:2])
+        self.ext_table.copy_(self.req_pages[meta[2:3]])
+        return self.model.forward(batch, self.pool)
+
     @torch.inference_mode()
     def _capture_all(self) -> float:
         start = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.input_ids.device)
-        for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
-            batch = self._static_batch(bs)
+        # largest first: smaller ones reuse its memory
+        jobs = [(self.graphs, self.outputs, bs, self._forward, self._static_batch(bs))
+                for bs in reversed(self.batch_sizes)]
+        # the extend batches' own tensors (extend_lens, cu_extend) are read by the graphs
+        self._ext_batches = {tg: self._static_extend_batch(tg) for tg in self.extend_sizes}
+        jobs += [(self.ext_graphs, self.ext_outputs, tg, self._forward_extend, self._ext_batches[tg])
+                 for tg in reversed(self.extend_sizes)]
+        for graphs, outputs, size, forward, batch in jobs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile Triton kernels, settle allocator and caches
-                    self._forward(bs, batch)
+                    forward(size, batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                self.outputs[bs] = self._forward(bs, batch)
-            self.graphs[bs] = graph
+                outputs[size] = forward(size, batch)
+            graphs[size] = graph
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
-                    self.batch_sizes, seconds)
+        logger.info("captured %d CUDA graphs (decode batch sizes %s, extend lengths %s) in %.1f s",
+                    len(self.graphs) + len(self.ext_graphs), self.batch_sizes, self.extend_sizes, seconds)
         return seconds
 
     def _forward(self, bs: int, batch: ForwardBatch) -> torch.Tensor:
@@ -199,6 +273,46 @@ class CudaGraphRunner:
         self.inputs.copy_(staging, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
+
+    def extend_bucket(self, num_tokens: int) -> int | None:
+        """The smallest captured extend length >= ``num_tokens`` (None if none is)."""
+        for tg in self.extend_sizes:
+            if tg >= num_tokens:
+                return tg
+        return None
+
+    def replay_extend(self, input_ids: list[int], start: int, pages: list[int],
+                      key: Hashable | None = None) -> torch.Tensor:
+        """One request extends T = len(input_ids) tokens (all known on the host) at
+        positions ``start ..`` of its ``pages``, attending over positions 0 .. start + i;
+        ``key`` as in ``replay``. Staging as in ``replay`` (two pinned sets in turn).
+
+        Returns the hidden state [1, E] (model dtype) of its last token, a view of the
+        graph's output buffer that the next replay of that bucket overwrites. Raises
+        ValueError if T < 2, T exceeds the largest bucket, or the page table is too short
+        or too wide.
+        """
+        t = len(input_ids)
+        tg = self.extend_bucket(t) if t >= 2 else None
+        if tg is None:
+            raise ValueError(f"extend of {t} tokens: captured extend lengths are 2..{max(self.extend_sizes, default=0)}")
+        size, end = self.page_size, start + t
+        if len(pages) * size < end:
+            raise ValueError(f"page table of {len(pages)} pages does not reach position {end - 1}")
+        if len(pages) > self.max_pages:
+            raise ValueError(f"page table of {len(pages)} pages exceeds the captured width {self.max_pages}")
+        row = self._sync_tables([key if key is not None else object()], [pages])[0]
+        staging = self._ext_staging[self._ext_turn]
+        self._ext_turn ^= 1
+        host = staging.numpy()
+        host[:3, t:tg] = 0  # padding: token 0 at position 0, K/V into the dummy slot 0
+        host[0, :t] = input_ids
+        host[1, :t] = range(start, end)
+        host[2, :t] = [pages[p // size] * size + p % size for p in range(start, end)]
+        host[3, :3] = (start, t - 1, row)
+        self.ext_inputs.copy_(staging, non_blocking=True)
+        self.ext_graphs[tg].replay()
+        return self.ext_outputs[tg]
 
     def _sync_tables(self, keys: list[Hashable], page_tables: list[list[int]]) -> list[int]:
         """Device page-table row of each request, after copying the changed page ids."""

@@ -142,7 +142,10 @@ class ModelRunner:
             return None
         max_bs = args.cuda_graph_max_bs or args.max_running_requests
         max_pages = -(-self.context_length // self.page_size)
-        return CudaGraphRunner(self.model, self.pool, max_bs, max_pages, self._prev_ids)
+        # int4 / mixed: the FP8 slot map of a pass is computed on the host (begin_pass)
+        max_extend = 0 if self.pool.tiered else min(args.cuda_graph_max_extend_tokens, self.context_length)
+        return CudaGraphRunner(self.model, self.pool, max_bs, max_pages, self._prev_ids,
+                               max_extend_tokens=max_extend if max_extend >= 2 else 0)
 
     def _kv_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """FP8 KV scales [L, K] from --kv-scales-path or a calibration pass (None, None for
@@ -241,6 +244,8 @@ class ModelRunner:
         writes = [(it.req.pages, it.start, it.num_tokens) for it in items] if self.pool.tiered else []
         self.pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the pages written
         hidden = self._replay_decode(items, inputs, inflight)
+        if hidden is None:
+            hidden = self._replay_extend(items, inputs, inflight)
         if hidden is not None:  # every item samples from its one row, in order
             rows = [([], i) for i in range(len(items))]
         else:
@@ -305,6 +310,20 @@ class ModelRunner:
             src[row] = prev_row
         return runner.replay([ids[0] for ids in inputs], [it.start for it in items],
                              [it.req.pages for it in items], src, [it.req for it in items])
+
+    def _replay_extend(self, items: list[ScheduleItem], inputs: list[list[int]],
+                       inflight: list[tuple[int, int]]) -> torch.Tensor | None:
+        """The hidden state [1, E] of the last token from an extend CUDA graph if this step
+        is one request extending 2..max tokens known on the host, sampling after the last
+        and scoring no prompt token; else None."""
+        runner = self.graph_runner
+        if runner is None or not runner.extend_sizes or len(items) != 1 or inflight:
+            return None
+        it = items[0]
+        if (not it.samples or runner.extend_bucket(it.num_tokens) is None or it.num_tokens < 2
+                or self._prompt_positions(it)):
+            return None
+        return runner.replay_extend(inputs[0], it.start, it.req.pages, it.req)
 
     def prepare(self, items: list[ScheduleItem], inputs: list[list[int]] | None = None
                 ) -> tuple[ForwardBatch, list[tuple[list[int], int | None]]]:

@@ -189,6 +189,11 @@ class ServerArgs:
         None, "Largest decode batch replayed from a CUDA graph (default: --max-running-requests); "
         "larger steps run eagerly."
     )
+    cuda_graph_max_extend_tokens: int = _opt(
+        256, "One request extending up to this many new tokens (a short prompt, or the uncached "
+        "rest of a prompt whose prefix is cached) replays a CUDA graph, padded to the next captured "
+        "length (powers of two from 16); 0: such steps run eagerly. At most 512."
+    )
     random_seed: int = _opt(0, "Seed for requests without their own seed.")
     log_level: str = _opt("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_requests: bool = _opt(
@@ -276,6 +281,8 @@ class ServerArgs:
                              "without spaces")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
+        if not 0 <= self.cuda_graph_max_extend_tokens <= 512 or self.cuda_graph_max_extend_tokens == 1:
+            raise ValueError("--cuda-graph-max-extend-tokens must be 0 (off) or in 2..512")
         self.importance_weight_values()  # raises on a malformed list
         if not 0.0 <= self.decode_reserve_min_ratio <= self.decode_reserve_ratio:
             raise ValueError("need 0 <= --decode-reserve-min-ratio <= --decode-reserve-ratio")

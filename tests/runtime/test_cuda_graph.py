@@ -1,4 +1,4 @@
-"""Decode CUDA graphs: buckets, and replay == eager forward (GPU only for the latter)."""
+"""Decode and extend CUDA graphs: buckets, and replay == eager forward (GPU only for the latter)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from radixlm.runtime.cuda_graph_runner import CudaGraphRunner, PageTableRows, graph_batch_sizes
+from radixlm.runtime.cuda_graph_runner import (
+    CudaGraphRunner,
+    PageTableRows,
+    graph_batch_sizes,
+    graph_extend_sizes,
+)
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.memory_pool import KVPool, PageAllocator
 from radixlm.runtime.model_loader import load_model
@@ -21,6 +26,17 @@ def test_graph_batch_sizes() -> None:
     assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
     with pytest.raises(ValueError, match="max_bs"):
         graph_batch_sizes(0)
+
+
+def test_graph_extend_sizes() -> None:
+    assert graph_extend_sizes(0) == []
+    assert graph_extend_sizes(2) == [2]
+    assert graph_extend_sizes(16) == [16]
+    assert graph_extend_sizes(100) == [16, 32, 64, 100]
+    assert graph_extend_sizes(256) == [16, 32, 64, 128, 256]
+    for bad in (-1, 1):
+        with pytest.raises(ValueError, match="max_tokens"):
+            graph_extend_sizes(bad)
 
 
 def test_page_table_rows_copy_only_what_changed() -> None:
@@ -106,3 +122,52 @@ def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int) -> Non
         runner.replay([0] * 17, [0] * 17, [[1]] * 17)
     with pytest.raises(ValueError, match="does not reach"):
         runner.replay([0], [page], [[1]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_extend_replay_matches_eager(tiny_hf_model: Callable) -> None:
+    """One request extends T tokens over a cached prefix through the extend graphs (padded
+    to the bucket): the last token's hidden state and the K/V written equal the eager
+    pass, for prefixes mid-page and page-aligned, T from 2 to the largest bucket, the
+    same runner reused across requests; the dummy page absorbs the padding's writes."""
+    page = 4
+    model = load_model(tiny_hf_model(max_position_embeddings=128)[0], torch.float32, "cuda", "triton")
+    cfg = model.config
+    cases = [(0, 5), (13, 16), (37, 20), (8, 2), (60, 32), (3, 17)]  # (prefix, T)
+    r = random.Random(3)
+    prompts = [r.choices(range(256), k=p + t) for p, t in cases]
+
+    def fresh() -> tuple[KVPool, list[list[int]]]:
+        pool = KVPool(160, page, cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, "cuda")
+        for layer in range(cfg.num_hidden_layers):
+            pool.k[layer].zero_()
+            pool.v[layer].zero_()
+        alloc, tables = PageAllocator(160), []
+        for (prefix, t), ids in zip(cases, prompts, strict=True):
+            tables.append(alloc.alloc(-(-(prefix + t) // page)))
+            alloc.alloc(1)  # non-contiguous tables
+            if prefix:  # the cached prefix, computed eagerly
+                with torch.inference_mode():
+                    model(ForwardBatch.build([ids[:prefix]], [0], [tables[-1]], [0], page, "cuda"), pool)
+        return pool, tables
+
+    pool_e, tables = fresh()
+    want = []
+    for (prefix, t), ids, table in zip(cases, prompts, tables, strict=True):
+        with torch.inference_mode():
+            want.append(model(ForwardBatch.build([ids[prefix:]], [prefix], [table], [t - 1], page, "cuda"), pool_e))
+    pool_g, tables_g = fresh()
+    runner = CudaGraphRunner(model, pool_g, max_bs=2, max_pages=32, prev_ids=torch.zeros(2, dtype=torch.int64,
+                             device="cuda"), max_extend_tokens=32)  # fmt: skip
+    assert runner.extend_sizes == [16, 32]
+    for k, ((prefix, _t), ids, table) in enumerate(zip(cases, prompts, tables_g, strict=True)):
+        got = runner.replay_extend(ids[prefix:], prefix, table, key=k)
+        torch.testing.assert_close(got, want[k], atol=2e-5, rtol=2e-5)
+    for layer in range(cfg.num_hidden_layers):
+        torch.testing.assert_close(pool_g.k[layer][1:], pool_e.k[layer][1:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(pool_g.v[layer][1:], pool_e.v[layer][1:], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="captured extend lengths"):
+        runner.replay_extend([0] * 33, 0, list(range(1, 10)))
+    with pytest.raises(ValueError, match="does not reach"):
+        runner.replay_extend([0] * 5, 0, [1])

@@ -52,3 +52,12 @@ def test_limit_flags_out_of_range_are_usage_errors(capsys, argv, message):
 
 def test_zero_queue_is_allowed():
     assert ServerArgs.parse(["--max-queued-requests", "0"]).max_queued_requests == 0
+
+
+@pytest.mark.parametrize("value", ["1", "-1", "513"])
+def test_cuda_graph_max_extend_tokens_range(capsys, value):
+    assert ServerArgs.parse(["--cuda-graph-max-extend-tokens", "0"]).cuda_graph_max_extend_tokens == 0
+    assert ServerArgs.parse([]).cuda_graph_max_extend_tokens == 256
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.parse(["--cuda-graph-max-extend-tokens", value])
+    assert exc.value.code == 2 and "--cuda-graph-max-extend-tokens" in capsys.readouterr().err
