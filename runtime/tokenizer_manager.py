@@ -225,7 +225,7 @@ class TokenizerManager:
         for stop in gen.sampling.stop:
             _check_unicode(stop, "stop")
         vocab = self.ready.vocab_size
-        if min(gen.input_ids) < 0 or max(gen.input_ids) >= vocab:  # 4K ids: 0.10 ms, 0.18 per-id
+        if min(gen.input_ids) < 0 or max(gen.input_ids) >= vocab:  # 4096 ids: 0.10 ms (per-id loop: 0.18)
             raise InvalidRequest(f"token ids must be in [0, {vocab})", field_name)
         if n >= self.context_length:
             raise InvalidRequest(
