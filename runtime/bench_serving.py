@@ -25,6 +25,7 @@ Metrics (SGLang's definitions; latencies in ms, over the completed requests):
   the radix tree's cached pages included) sampled every 0.25 s: mean and max. KV waste:
   ``radixlm:kv_cache_waste_ratio`` (slots held by running requests without a computed
   token / slots in use) on the same samples, those with pages in use: mean and max.
+  Running requests: ``radixlm:num_running_reqs`` on the same samples: mean and max.
 * Token counts: the server's usage (``meta_info`` / ``usage``) when it reports them, the
   client's tokenizer otherwise.
 
@@ -158,11 +159,12 @@ def parse_prometheus(text: str) -> dict[str, float]:
 class ServerStats:
     """Prefix-cache and KV numbers of one run, from the server's /metrics."""
 
-    PROMPT, CACHED, KV, WASTE = (
+    PROMPT, CACHED, KV, WASTE, RUNNING = (
         "radixlm:prompt_tokens_total",
         "radixlm:cached_tokens_total",
         "radixlm:kv_cache_usage",
         "radixlm:kv_cache_waste_ratio",
+        "radixlm:num_running_reqs",
     )
 
     def __init__(self, client: httpx.AsyncClient, base_url: str) -> None:
@@ -170,6 +172,7 @@ class ServerStats:
         self.before: dict[str, float] | None = None
         self.kv_samples: list[float] = []
         self.waste_samples: list[float] = []  # while pages are in use
+        self.running_samples: list[float] = []
 
     async def scrape(self) -> dict[str, float] | None:
         try:
@@ -186,6 +189,8 @@ class ServerStats:
                 self.kv_samples.append(values[self.KV])
                 if values[self.KV] > 0 and self.WASTE in values:
                     self.waste_samples.append(values[self.WASTE])
+            if values and self.RUNNING in values:
+                self.running_samples.append(values[self.RUNNING])
             await asyncio.sleep(period_s)
 
     def summary(self, after: dict[str, float] | None) -> dict[str, float | None]:
@@ -194,13 +199,15 @@ class ServerStats:
             prompt = after.get(self.PROMPT, 0.0) - self.before.get(self.PROMPT, 0.0)
             cached = after.get(self.CACHED, 0.0) - self.before.get(self.CACHED, 0.0)
             hit_rate = cached / prompt if prompt > 0 else None
-        kv, waste = self.kv_samples, self.waste_samples
+        kv, waste, running = self.kv_samples, self.waste_samples, self.running_samples
         return {
             "prefix_cache_hit_rate": hit_rate,
             "kv_usage_mean": statistics.fmean(kv) if kv else None,
             "kv_usage_max": max(kv) if kv else None,
             "kv_waste_mean": statistics.fmean(waste) if waste else None,
             "kv_waste_max": max(waste) if waste else None,
+            "running_reqs_mean": statistics.fmean(running) if running else None,
+            "running_reqs_max": max(running) if running else None,
         }
 
 
@@ -651,7 +658,8 @@ def _print_summary(rec: dict[str, Any]) -> None:
             "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
             "mean_e2e_latency_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms",
             "concurrency", "max_concurrency_reached", "prefix_cache_hit_rate",
-            "kv_usage_mean", "kv_usage_max", "kv_waste_mean", "kv_waste_max")
+            "kv_usage_mean", "kv_usage_max", "kv_waste_mean", "kv_waste_max", "running_reqs_mean",
+            "running_reqs_max")
     for key in keys:
         value = rec.get(key)
         text = "n/a" if value is None else f"{value:.4g}" if isinstance(value, float) else value
@@ -680,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
             batch = args.hf_batch_size if args.backend == "hf-generate" else len(workload)
             max_in_flight, server = min(batch, len(workload)), {
                 "prefix_cache_hit_rate": None, "kv_usage_mean": None, "kv_usage_max": None,
-                "kv_waste_mean": None, "kv_waste_max": None}
+                "kv_waste_mean": None, "kv_waste_max": None, "running_reqs_mean": None,
+                "running_reqs_max": None}
             extra = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype}
         else:
             model = args.model or info.get("served_model_name") or "default"

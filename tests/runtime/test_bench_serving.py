@@ -201,6 +201,7 @@ def test_server_hit_rate_is_a_counter_delta() -> None:
     stats.before = values
     stats.kv_samples = [0.25, 0.75]
     stats.waste_samples = [0.01, 0.03]
+    stats.running_samples = [4.0, 8.0]
     after = {**values, "radixlm:prompt_tokens_total": 3000.0, "radixlm:cached_tokens_total": 1800.0}
     assert stats.summary(after) == {
         "prefix_cache_hit_rate": pytest.approx(0.75),  # 1500 cached of 2000 new prompt tokens
@@ -208,6 +209,8 @@ def test_server_hit_rate_is_a_counter_delta() -> None:
         "kv_usage_max": 0.75,
         "kv_waste_mean": pytest.approx(0.02),
         "kv_waste_max": 0.03,
+        "running_reqs_mean": 6.0,
+        "running_reqs_max": 8.0,
     }
     stats.before = None
     assert stats.summary(after)["prefix_cache_hit_rate"] is None
@@ -353,8 +356,8 @@ def test_sample_kv_keeps_waste_only_while_pages_are_in_use() -> None:
     scrapes = iter([
         {"radixlm:kv_cache_usage": 0.0, "radixlm:kv_cache_waste_ratio": 0.0},  # idle: no waste sample
         None,  # a failed scrape
-        {"radixlm:kv_cache_usage": 0.5, "radixlm:kv_cache_waste_ratio": 0.02},
-        {"radixlm:kv_cache_usage": 0.25, "radixlm:kv_cache_waste_ratio": 0.04},
+        {"radixlm:kv_cache_usage": 0.5, "radixlm:kv_cache_waste_ratio": 0.02, "radixlm:num_running_reqs": 3.0},
+        {"radixlm:kv_cache_usage": 0.25, "radixlm:kv_cache_waste_ratio": 0.04, "radixlm:num_running_reqs": 2.0},
     ])
     stats = bs.ServerStats(client=None, base_url="http://x")
 
@@ -373,5 +376,6 @@ def test_sample_kv_keeps_waste_only_while_pages_are_in_use() -> None:
     asyncio.run(run())
     assert stats.kv_samples == [0.0, 0.5, 0.25]
     assert stats.waste_samples == [0.02, 0.04]
+    assert stats.running_samples == [3.0, 2.0]
     summary = stats.summary(None)
     assert summary["kv_waste_mean"] == pytest.approx(0.03) and summary["kv_waste_max"] == 0.04
