@@ -86,14 +86,14 @@ class ModelRunner:
         cfg = self.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         k_scales, v_scales = self._kv_scales()
-        self.num_fp8_pages = (tiered_fp8_pages(args.kv_cache_dtype, args.kv_mixed_window_pages,
+        self.num_fp8_pages = (tiered_fp8_pages(args.kv_cache_dtype, args.mixed_window_pages,
                                                args.max_running_requests, args.max_prefill_tokens, self.page_size,
                                                self.context_length)
                               if args.kv_cache_dtype in TIERED_KV else None)
         self.num_pages = self._size_pool()
         self.pool = KVPool(self.num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                            self.head_dim, self.dtype, self.device, args.kv_cache_dtype, k_scales, v_scales,
-                           num_fp8_pages=self.num_fp8_pages, window_pages=args.kv_mixed_window_pages)
+                           num_fp8_pages=self.num_fp8_pages, window_pages=args.mixed_window_pages)
         self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
         pool = self.pool
         bf16_page = kv_page_bytes("bf16", self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,

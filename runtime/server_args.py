@@ -98,8 +98,8 @@ class ServerArgs:
         "(--preemption-mode auto recomputes).",
         KV_CACHE_DTYPES,
     )
-    kv_mixed_window_pages: int = _opt(
-        2, "--kv-cache-dtype mixed: full pages at the end of each sequence kept in FP8."
+    kv_mixed_window_pages: int | None = _opt(
+        None, "--kv-cache-dtype mixed: full pages at the end of each sequence kept in FP8 (default 2)."
     )
     kv_scales_path: str | None = _opt(
         None,
@@ -253,8 +253,11 @@ class ServerArgs:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.kv_scales_path is not None and self.kv_cache_dtype not in ("fp8_e4m3", "int4", "mixed"):
             raise ValueError("--kv-scales-path only applies to --kv-cache-dtype fp8_e4m3, int4 or mixed")
-        if self.kv_mixed_window_pages < 0:
-            raise ValueError("--kv-mixed-window-pages must be >= 0")
+        if self.kv_mixed_window_pages is not None:
+            if self.kv_mixed_window_pages < 0:
+                raise ValueError("--kv-mixed-window-pages must be >= 0")
+            if self.kv_cache_dtype != "mixed":
+                raise ValueError("--kv-mixed-window-pages only applies to --kv-cache-dtype mixed")
         if self.kv_cache_dtype in ("int4", "mixed") and self.preemption_mode == "swap":
             raise ValueError(f"--preemption-mode swap is not supported with --kv-cache-dtype "
                              f"{self.kv_cache_dtype} (use recompute or auto)")
@@ -286,6 +289,11 @@ class ServerArgs:
         self.importance_weight_values()  # raises on a malformed list
         if not 0.0 <= self.decode_reserve_min_ratio <= self.decode_reserve_ratio:
             raise ValueError("need 0 <= --decode-reserve-min-ratio <= --decode-reserve-ratio")
+
+    @property
+    def mixed_window_pages(self) -> int:
+        """--kv-mixed-window-pages, or its default of 2 pages."""
+        return 2 if self.kv_mixed_window_pages is None else self.kv_mixed_window_pages
 
     def importance_weight_values(self) -> tuple[float, float, float]:
         """``--importance-weights`` as (w1, w2, w3). Raises ValueError if malformed."""

@@ -191,7 +191,10 @@ def test_tiered_pools_refuse_swap_and_the_flag_combination() -> None:
     with pytest.raises(ValueError, match="--kv-mixed-window-pages must be >= 0"):
         ServerArgs(kv_cache_dtype="mixed", kv_mixed_window_pages=-1).validate()
     args = ServerArgs.parse(["--kv-cache-dtype", "mixed", "--kv-mixed-window-pages", "3"])
-    assert (args.kv_cache_dtype, args.kv_mixed_window_pages) == ("mixed", 3)
+    assert (args.kv_cache_dtype, args.mixed_window_pages) == ("mixed", 3)
+    assert ServerArgs(kv_cache_dtype="mixed").mixed_window_pages == 2
+    with pytest.raises(ValueError, match="only applies to --kv-cache-dtype mixed"):
+        ServerArgs(kv_cache_dtype="int4", kv_mixed_window_pages=3).validate()
     ServerArgs(kv_cache_dtype="int4", kv_scales_path="s.json").validate()  # FP8 slots use them
     with pytest.raises(ValueError, match="needs k_scales"):
         KVPool(4, 4, 2, 2, 16, torch.float32, "cpu", "int4")
