@@ -256,21 +256,23 @@ class ResponseFormat(BaseModel):
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
+        """Raises ValueError (-> 400, param ``response_format``) if the schema is missing,
+        does not compile or uses a keyword that cannot be enforced."""
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format type json_schema needs response_format.json_schema.schema")
+        text = self.schema_text()
+        if text is not None:
+            try:
+                check_grammar("json_schema", text)
+            except ValueError as exc:
+                raise ValueError(f"response_format.json_schema.schema: {exc}") from None
         return self
 
     def schema_text(self) -> str | None:
-        """The JSON schema to enforce (None for "text"). Raises ValueError (-> 400) if the
-        schema does not compile or uses a keyword that cannot be enforced."""
+        """The JSON schema to enforce (None for "text"); checked when the request is validated."""
         if self.type == "text":
             return None
-        text = json.dumps(self.json_schema.schema_ if self.json_schema else {"type": "object"})
-        try:
-            check_grammar("json_schema", text)
-        except ValueError as exc:
-            raise ValueError(f"response_format.json_schema.schema: {exc}") from None
-        return text
+        return json.dumps(self.json_schema.schema_ if self.json_schema else {"type": "object"})
 
 
 class ChatCompletionRequest(_OpenAIBase):

@@ -168,6 +168,7 @@ def test_c16_json_object_and_malformed_formats(server):
         ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
         ({"type": "json_schema", "schema": C16_SCHEMA}, "response_format.schema"),  # wrong placement
         ({"type": "xml"}, "response_format.type"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}, "response_format"),
     ]:
         status, body = _chat(server, "hi", response_format=fmt, max_tokens=4)
         assert status == 400, (fmt, body)
