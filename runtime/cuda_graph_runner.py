@@ -47,7 +47,8 @@ they sit at position 0 (in range of the rotary table), write their K/V to the du
 
 Sized at capture from the bound (prefix ``Pmax * page_size - Tg``), the split-KV extend
 kernel (``extend_num_splits``) always runs, its grid fixed; splits past a prefix's length
-are empty. Not for int4 / mixed pools (their FP8 slot map is computed on the host).
+are empty. Not used for int4 / mixed pools yet (their extend kernel has not been run under
+capture; decode graphs do serve them).
 """
 
 from __future__ import annotations

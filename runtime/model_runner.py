@@ -142,7 +142,7 @@ class ModelRunner:
             return None
         max_bs = args.cuda_graph_max_bs or args.max_running_requests
         max_pages = -(-self.context_length // self.page_size)
-        # int4 / mixed: the FP8 slot map of a pass is computed on the host (begin_pass)
+        # int4 / mixed: extend graphs not used yet (their extend kernel untested under capture)
         max_extend = 0 if self.pool.tiered else min(args.cuda_graph_max_extend_tokens, self.context_length)
         return CudaGraphRunner(self.model, self.pool, max_bs, max_pages, self._prev_ids,
                                max_extend_tokens=max_extend if max_extend >= 2 else 0)
