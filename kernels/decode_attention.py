@@ -76,8 +76,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_DECODE_CONFIG", "DecodeConfig", "DecodeWorkspace", "TieredPages", "decode_attention",
-           "decode_num_splits"]
+__all__ = ["FP8_DECODE_CONFIG", "TIERED_DECODE_CONFIG", "DecodeConfig", "DecodeWorkspace", "TieredPages",
+           "decode_attention", "decode_num_splits", "default_decode_config"]
 
 LOG2E = 1.4426950408889634
 
@@ -104,6 +104,17 @@ class DecodeConfig:
 # batch 32, 8 kv heads, D 128 (bench/kv_speed_gpu.py): 32K keys 840 us vs 1186 us with 64-key
 # tiles and 992 us with bf16 dots (bf16 pages: 994 us); 8K keys 223 vs 321 / 258 (263).
 FP8_DECODE_CONFIG = DecodeConfig(block_n=128)
+# Tiered pools (int4 / mixed; ``_decode_tiered_kernel``): a first guess, not yet timed on a
+# GPU; bench/kv_speed_gpu.py times it against the variants it lists (DECODE_VARIANTS).
+TIERED_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+
+
+def default_decode_config(pool_dtype: torch.dtype, tiered: bool = False) -> DecodeConfig:
+    """The launch parameters used when the caller passes none: ``TIERED_DECODE_CONFIG`` for
+    tiered pools, ``FP8_DECODE_CONFIG`` for float8_e4m3fn pools, else ``DecodeConfig()``."""
+    if tiered:
+        return TIERED_DECODE_CONFIG
+    return FP8_DECODE_CONFIG if pool_dtype == torch.float8_e4m3fn else DecodeConfig()
 
 
 class TieredPages(NamedTuple):
@@ -122,34 +133,111 @@ class TieredPages(NamedTuple):
 
 
 @triton.jit
-def _tiered_tile(
-    base8, stride_8p, stride_8s, Codes, Stat, FSlot, page, slot, valid, kv_head, dims, scale8,
+def _int4_halves(
+    Codes, Stat, page, page0, slot, mask, kv_head, half,
     IS_KEY: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VGROUP: tl.constexpr, PAGE_TILE: tl.constexpr,
+):  # fmt: skip
+    """INT4 K (IS_KEY) or V of a tile's keys as two [Nb, D/2] float32 halves: channels 2j
+    (low nibbles) and 2j+1 (high nibbles), j = ``half``. Each code byte is loaded once.
+    ``page`` [Nb] int64 logical pages, ``slot`` [Nb] offsets in the page, ``mask`` [Nb]
+    the keys to read. Key statistics: PAGE_TILE (the tile lies in the page ``page0``, a
+    scalar): two [D/2] vectors per statistic, broadcast over the rows; else per key."""
+    token = (page * PAGE_SIZE + slot) * NUM_KV_HEADS + kv_head  # [Nb] row of the codes
+    byte = tl.load(Codes + (token * (HEAD_DIM // 2))[:, None] + half[None, :],
+                   mask=mask[:, None], other=0)  # fmt: skip
+    lo = (byte & 15).to(tl.float32)
+    hi = (byte >> 4).to(tl.float32)
+    if IS_KEY:  # [P, 2, K, D]: scale, zero per channel of the page
+        zero_off = NUM_KV_HEADS * HEAD_DIM
+        if PAGE_TILE:
+            st = Stat + (page0 * 2 * NUM_KV_HEADS + kv_head) * HEAD_DIM + 2 * half  # [D/2]
+            s_lo = tl.load(st).to(tl.float32)[None, :]
+            s_hi = tl.load(st + 1).to(tl.float32)[None, :]
+            z_lo = tl.load(st + zero_off).to(tl.float32)[None, :]
+            z_hi = tl.load(st + zero_off + 1).to(tl.float32)[None, :]
+        else:
+            st = Stat + ((page * 2 * NUM_KV_HEADS + kv_head) * HEAD_DIM)[:, None] + 2 * half[None, :]
+            s_lo = tl.load(st, mask=mask[:, None], other=0.0).to(tl.float32)
+            s_hi = tl.load(st + 1, mask=mask[:, None], other=0.0).to(tl.float32)
+            z_lo = tl.load(st + zero_off, mask=mask[:, None], other=0.0).to(tl.float32)
+            z_hi = tl.load(st + zero_off + 1, mask=mask[:, None], other=0.0).to(tl.float32)
+    else:  # [P, S, K, 2, D/G]: scale, zero per group of G channels of the token
+        zero_off = HEAD_DIM // VGROUP
+        row = (token * 2 * (HEAD_DIM // VGROUP))[:, None]
+        st_lo = Stat + row + ((2 * half) // VGROUP)[None, :]
+        s_lo = tl.load(st_lo, mask=mask[:, None], other=0.0).to(tl.float32)
+        z_lo = tl.load(st_lo + zero_off, mask=mask[:, None], other=0.0).to(tl.float32)
+        if VGROUP % 2 == 0:  # channels 2j and 2j+1 share a group
+            s_hi = s_lo
+            z_hi = z_lo
+        else:
+            st_hi = Stat + row + ((2 * half + 1) // VGROUP)[None, :]
+            s_hi = tl.load(st_hi, mask=mask[:, None], other=0.0).to(tl.float32)
+            z_hi = tl.load(st_hi + zero_off, mask=mask[:, None], other=0.0).to(tl.float32)
+    return lo * s_lo + z_lo, hi * s_hi + z_hi
+
+
+@triton.jit
+def _fp8_halves(base8, stride_8p, stride_8s, fslot, slot, mask, half, scale8):
+    """FP8-slot K or V of a tile's keys times the per-head scale, as [Nb, D/2] float32
+    halves (channels 2j, 2j+1). ``base8`` = the slot pool + the kv head offset, ``fslot``
+    [Nb] int64 FP8 slots, ``slot`` [Nb] offsets in the page."""
+    ptr = base8 + (fslot * stride_8p + slot * stride_8s)[:, None] + 2 * half[None, :]
+    lo = tl.load(ptr, mask=mask[:, None], other=0.0).to(tl.float32) * scale8
+    hi = tl.load(ptr + 1, mask=mask[:, None], other=0.0).to(tl.float32) * scale8
+    return lo, hi
+
+
+@triton.jit
+def _tiered_kv(
+    k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+    FSlot, KCodes, KStat, VCodes, VStat, page_row, n0, page, slot, valid, kv_head, half,
+    k_scale8, v_scale8,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, VGROUP: tl.constexpr,
 ):  # fmt: skip
-    """A [Nb, D] float32 tile of K (IS_KEY) or V of a tiered pool: keys whose page has an
-    FP8 slot are read from it (``base8`` = that pool + the kv head offset) times the FP8
-    scale, the others are INT4 codes of the logical page times its scale plus its zero.
-    ``page`` [Nb] int64 logical pages, ``slot`` [Nb] offsets in the page."""
-    fslot = tl.load(FSlot + page, mask=valid, other=0).to(tl.int64)  # [Nb]
-    in8 = valid & (fslot >= 0)
-    in4 = valid & (fslot < 0)
-    x8 = tl.load(base8 + (fslot * stride_8p + slot * stride_8s)[:, None] + dims[None, :],
-                 mask=in8[:, None], other=0.0)  # fmt: skip
-    token = (page * PAGE_SIZE + slot) * NUM_KV_HEADS + kv_head  # [Nb] row of the codes
-    byte = tl.load(Codes + (token * (HEAD_DIM // 2))[:, None] + (dims // 2)[None, :],
-                   mask=in4[:, None], other=0)  # fmt: skip
-    code = (byte.to(tl.int32) >> ((dims % 2) * 4)[None, :]) & 15
-    if IS_KEY:  # [P, 2, K, D]: per channel of the page
-        st = Stat + ((page * 2 * NUM_KV_HEADS + kv_head) * HEAD_DIM)[:, None] + dims[None, :]
-        zero_off = NUM_KV_HEADS * HEAD_DIM
-    else:  # [P, S, K, 2, D/G]: per group of the token
-        st = Stat + (token * 2 * (HEAD_DIM // VGROUP))[:, None] + (dims // VGROUP)[None, :]
-        zero_off = HEAD_DIM // VGROUP
-    scale4 = tl.load(st, mask=in4[:, None], other=0.0).to(tl.float32)
-    zero4 = tl.load(st + zero_off, mask=in4[:, None], other=0.0).to(tl.float32)
-    x4 = code.to(tl.float32) * scale4 + zero4
-    return tl.where(in8[:, None], x8.to(tl.float32) * scale8, x4)
+    """K and V of one tile of a tiered pool (keys n0 .. n0 + BLOCK_N, ``valid`` [Nb] the
+    ones to read, ``page`` [Nb] int64 their logical pages, ``slot`` [Nb] their offsets in
+    the page) as four [Nb, D/2] float32 halves (k_lo, k_hi, v_lo, v_hi: channels 2j, 2j+1).
+
+    One uniform branch per tile, on a scalar: every valid key INT4 (the common case: loads
+    codes and statistics only), every valid key in an FP8 slot (loads the slots only), or
+    both (a tile over a page boundary between the kinds: loads both under complementary
+    masks and selects). With PAGE_SIZE % BLOCK_N == 0 the tile lies in one page: its slot
+    is one scalar load and its key statistics two [D/2] vectors per statistic."""
+    PAGE_TILE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    if PAGE_TILE:  # one page: its FP8 slot decides
+        page0 = tl.load(page_row + n0 // PAGE_SIZE).to(tl.int64)
+        fslot0 = tl.load(FSlot + page0).to(tl.int64)
+        fslot = tl.zeros([BLOCK_N], dtype=tl.int64) + fslot0
+        tally = tl.where(fslot0 >= 0, 65536, 1)
+    else:  # count the tile's FP8 keys (x 65536) and INT4 keys in one reduction
+        page0 = page  # unused
+        fslot = tl.load(FSlot + page, mask=valid, other=-1).to(tl.int64)
+        tally = tl.sum(tl.where(valid, tl.where(fslot >= 0, 65536, 1), 0), 0)
+    if tally < 65536:  # INT4 only
+        k_lo, k_hi = _int4_halves(KCodes, KStat, page, page0, slot, valid, kv_head, half, True,
+                                  PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, PAGE_TILE)  # fmt: skip
+        v_lo, v_hi = _int4_halves(VCodes, VStat, page, page0, slot, valid, kv_head, half, False,
+                                  PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, PAGE_TILE)  # fmt: skip
+    elif tally % 65536 == 0:  # FP8 slots only
+        k_lo, k_hi = _fp8_halves(k_base, stride_kp, stride_ks, fslot, slot, valid, half, k_scale8)
+        v_lo, v_hi = _fp8_halves(v_base, stride_vp, stride_vs, fslot, slot, valid, half, v_scale8)
+    else:  # both kinds (never with PAGE_TILE)
+        in8 = valid & (fslot >= 0)
+        in4 = valid & (fslot < 0)
+        k_lo, k_hi = _int4_halves(KCodes, KStat, page, page0, slot, in4, kv_head, half, True,
+                                  PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, False)  # fmt: skip
+        v_lo, v_hi = _int4_halves(VCodes, VStat, page, page0, slot, in4, kv_head, half, False,
+                                  PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, False)  # fmt: skip
+        k8_lo, k8_hi = _fp8_halves(k_base, stride_kp, stride_ks, fslot, slot, in8, half, k_scale8)
+        v8_lo, v8_hi = _fp8_halves(v_base, stride_vp, stride_vs, fslot, slot, in8, half, v_scale8)
+        k_lo = tl.where(in8[:, None], k8_lo, k_lo)
+        k_hi = tl.where(in8[:, None], k8_hi, k_hi)
+        v_lo = tl.where(in8[:, None], v8_lo, v_lo)
+        v_hi = tl.where(in8[:, None], v8_hi, v_hi)
+    return k_lo, k_hi, v_lo, v_hi
 
 
 @dataclass
@@ -176,7 +264,6 @@ class DecodeWorkspace:
 @triton.jit
 def _decode_split_kernel(
     Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale,
-    FSlot, KCodes, KStat, VCodes, VStat,
     qk_scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -184,16 +271,12 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if QUANT == 1:  # FP8 pages: the K scale joins the softmax scale, V's scales the output
         qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
-    if QUANT == 2:  # tiered: FP8 slots and INT4 pages, dequantised per tile
-        k_scale8 = tl.load(KScale + kv_head)
-        v_scale8 = tl.load(VScale + kv_head)
     seq_len = tl.load(SeqLens + b)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -224,12 +307,7 @@ def _decode_split_kernel(
         slot = keys % PAGE_SIZE
         k_off = page * stride_kp + slot * stride_ks  # [Nb]
         v_off = page * stride_vp + slot * stride_vs
-        if QUANT == 2:
-            k = _tiered_tile(k_base, stride_kp, stride_ks, KCodes, KStat, FSlot, page, slot, valid,
-                             kv_head, dims, k_scale8, True, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                             VGROUP).to(q.dtype)  # fmt: skip
-        else:
-            k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT == 1:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Hb, Nb]
@@ -239,12 +317,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
         l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT == 2:
-            v = _tiered_tile(v_base, stride_vp, stride_vs, VCodes, VStat, FSlot, page, slot, valid,
-                             kv_head, dims, v_scale8, False, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                             VGROUP).to(q.dtype)  # fmt: skip
-        else:
-            v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT == 1:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -262,6 +335,90 @@ def _decode_split_kernel(
         row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [Hb]
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(PartOut + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
+        tl.store(PartLse + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_tiered_kernel(
+    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale,
+    FSlot, KCodes, KStat, VCodes, VStat,
+    qk_scale_log2, num_splits,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    stride_ptb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+):  # fmt: skip
+    """``_decode_split_kernel`` over a tiered pool (same grid, outputs and splits). The
+    head dim is handled as two halves, channels 2j and 2j+1 (j < D/2): q, the K/V tiles
+    and the accumulator are [., D/2] pairs, so INT4 bytes unpack into their two nibbles
+    without an interleave (q . k = q_lo . k_lo + q_hi . k_hi; p @ v = [p @ v_lo, p @ v_hi]).
+    K/V tiles come from ``_tiered_kv`` (one branch per tile) in float32, the dots run in
+    q's dtype."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    k_scale8 = tl.load(KScale + kv_head)
+    v_scale8 = tl.load(VScale + kv_head)
+    seq_len = tl.load(SeqLens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)  # [Hb] query heads of this kv head (padded)
+    half = tl.arange(0, HEAD_DIM // 2)  # [D/2]
+    heads = kv_head * GROUP + rows
+    head_mask = rows < GROUP
+    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + 2 * half[None, :]
+    q_lo = tl.load(q_ptr, mask=head_mask[:, None], other=0.0)  # [Hb, D/2] channels 2j
+    q_hi = tl.load(q_ptr + 1, mask=head_mask[:, None], other=0.0)  # channels 2j+1
+    page_row = PageTable + b * stride_ptb
+    k_base = KPool + kv_head * stride_kk
+    v_base = VPool + kv_head * stride_vk
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_H, HEAD_DIM // 2], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_H, HEAD_DIM // 2], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+        valid = keys < end
+        page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = keys % PAGE_SIZE
+        k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+            k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+            FSlot, KCodes, KStat, VCodes, VStat, page_row, n0, page, slot, valid, kv_head, half,
+            k_scale8, v_scale8, BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP,
+        )  # fmt: skip
+        s = tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)), input_precision=DOT_PRECISION)
+        s = tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype)), acc=s, input_precision=DOT_PRECISION)
+        s = s * qk_scale_log2  # [Hb, Nb], log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(q_lo.dtype)
+        acc_lo = tl.dot(p, v_lo.to(q_lo.dtype), acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
+        acc_hi = tl.dot(p, v_hi.to(q_lo.dtype), acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    inv_l = 1.0 / tl.where(nonempty, l_i, 1.0)
+    out_lo = acc_lo * inv_l[:, None]
+    out_hi = acc_hi * inv_l[:, None]
+    if DIRECT:
+        o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + 2 * half[None, :]
+        tl.store(o_ptr, out_lo.to(Out.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(o_ptr + 1, out_hi.to(Out.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        # PartOut [B, H, N, D] and PartLse [B, H, N], contiguous.
+        row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [Hb]
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        part_ptr = PartOut + row[:, None] * HEAD_DIM + 2 * half[None, :]
+        tl.store(part_ptr, out_lo, mask=head_mask[:, None])
+        tl.store(part_ptr + 1, out_hi, mask=head_mask[:, None])
         tl.store(PartLse + row, lse, mask=head_mask)
 
 
@@ -387,7 +544,8 @@ def decode_attention(
     _check_inputs(q, k_pool, v_pool, page_table, seq_lens)
     _check_scales(k_pool, k_scale, v_scale)
     _check_tiered(k_pool, tiered)
-    config = config or (FP8_DECODE_CONFIG if k_scale is not None and tiered is None else DecodeConfig())
+    config = config or default_decode_config(k_pool.dtype, tiered is not None)
+    assert tiered is None or config.block_n >= 16, config  # the tiered dots need >= 16 keys
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     if num_splits is None:
@@ -417,6 +575,7 @@ def _check_tiered(k_pool: torch.Tensor, tiered: TieredPages | None) -> None:
         return
     _, page_size, num_kv_heads, head_dim = k_pool.shape
     assert k_pool.dtype == torch.float8_e4m3fn, k_pool.dtype
+    assert head_dim >= 32, head_dim  # the kernels' dots run on halves of the head dim
     num_pages = tiered.fp8_slot.shape[0]
     assert tiered.fp8_slot.dtype == torch.int32, tiered.fp8_slot.dtype
     for codes in (tiered.k_codes, tiered.v_codes):
@@ -430,11 +589,9 @@ def _check_tiered(k_pool: torch.Tensor, tiered: TieredPages | None) -> None:
         assert stat.dtype == torch.float16 and stat.is_contiguous()
 
 
-def _tiered_args(tiered: TieredPages | None, dummy: torch.Tensor, head_dim: int) -> tuple[list, int]:
-    """Kernel arguments (fp8_slot, k_codes, k_stat, v_codes, v_stat) and the value group."""
-    if tiered is None:
-        return [dummy] * 5, head_dim
-    return list(tiered), head_dim // tiered.v_stat.shape[-1]
+def _value_group(tiered: TieredPages, head_dim: int) -> int:
+    """Channels per value statistic group G (``v_stat`` holds D / G groups)."""
+    return head_dim // tiered.v_stat.shape[-1]
 
 
 def _check_scales(
@@ -470,23 +627,31 @@ def _launch(
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     group = num_heads // num_kv_heads
     direct = num_splits == 1
-    tiered_args, vgroup = _tiered_args(tiered, seq_lens, head_dim)
-    split = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse,
-        seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,
-        *tiered_args,
-        scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        page_table.stride(0), out.stride(0), out.stride(1),
+    grid = (batch, num_kv_heads, num_splits)
+    scales = (seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale)
+    strides = (q.stride(0), q.stride(1),
+               k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+               v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+               page_table.stride(0), out.stride(0), out.stride(1))  # fmt: skip
+    common = dict(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        QUANT=0 if k_scale is None else (2 if tiered is not None else 1),
-        F16_DOT=k_scale is not None and tiered is None and config.fp8_compute == "fp16" and q.dtype != torch.float32,
-        NUM_KV_HEADS=num_kv_heads, VGROUP=vgroup,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    if tiered is not None:
+        split = _decode_tiered_kernel[grid](
+            q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales, *tiered,
+            scale * LOG2E, num_splits, *strides,
+            NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim), **common,
+        )  # fmt: skip
+    else:
+        split = _decode_split_kernel[grid](
+            q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales,
+            scale * LOG2E, num_splits, *strides,
+            QUANT=int(k_scale is not None),
+            F16_DOT=k_scale is not None and config.fp8_compute == "fp16" and q.dtype != torch.float32,
+            **common,
+        )  # fmt: skip
     merge = None
     if not direct:
         merge = _decode_merge_kernel[(batch, num_heads)](

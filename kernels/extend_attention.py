@@ -105,8 +105,8 @@ from radixlm.kernels.decode_attention import (
     _decode_merge_kernel,
     _dot_precision,
     _num_sms,
-    _tiered_args,
-    _tiered_tile,
+    _tiered_kv,
+    _value_group,
 )
 
 __all__ = [
@@ -256,10 +256,9 @@ def extend_num_splits(
 def _attend_tile(
     acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-    FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     SCALE_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, NO_LOOKUP: tl.constexpr,
-    QUANT: tl.constexpr, SAFE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    QUANT: tl.constexpr, SAFE: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i).
 
@@ -282,17 +281,11 @@ def _attend_tile(
     slot = keys % PAGE_SIZE
     k_ptr = k_base + (page * stride_kp + slot * stride_ks)[:, None] + dims[None, :]
     v_ptr = v_base + (page * stride_vp + slot * stride_vs)[:, None] + dims[None, :]
-    if not MASKED:
-        valid = keys >= 0  # every key of the tile (tiered reads take a mask)
-    if QUANT == 2:  # tiered: the page's FP8 slot or its INT4 codes, dequantised here
-        k = _tiered_tile(k_base, stride_kp, stride_ks, KCodes, KStat, FSlot, page, slot, valid,
-                         kv_head, dims, k_scale8, True, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                         VGROUP).to(q.dtype)  # fmt: skip
-    elif MASKED:
+    if MASKED:
         k = tl.load(k_ptr, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_ptr)
-    if QUANT == 1:  # FP8 page -> q's dtype; the scale is in qk_scale_log2
+    if QUANT:  # FP8 page -> q's dtype; the scale is in qk_scale_log2
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Mb, Nb]
     if SCALE_MODE == 0:
@@ -313,15 +306,11 @@ def _attend_tile(
         p = tl.exp2(s - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if QUANT == 2:
-        v = _tiered_tile(v_base, stride_vp, stride_vs, VCodes, VStat, FSlot, page, slot, valid,
-                         kv_head, dims, v_scale8, False, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                         VGROUP).to(q.dtype)  # fmt: skip
-    elif MASKED:
+    if MASKED:
         v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptr)
-    if QUANT == 1:
+    if QUANT:
         v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -330,7 +319,6 @@ def _attend_tile(
 @triton.jit
 def _extend_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale,
-    FSlot, KCodes, KStat, VCodes, VStat,
     qk_scale_log2,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -338,7 +326,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     REVERSE_M: tl.constexpr, SCALE_MODE: tl.constexpr, WARP_SPEC: tl.constexpr,
-    PROBE: tl.constexpr, QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    PROBE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -353,13 +341,8 @@ def _extend_kernel(
         return
     prefix_len = tl.load(PrefixLens + b)
     kv_head = head // GROUP
-    if QUANT == 1:  # FP8 pages: the K scale joins the softmax scale
+    if QUANT:  # FP8 pages: the K scale joins the softmax scale
         qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
-    k_scale8 = 1.0
-    v_scale8 = 1.0
-    if QUANT == 2:  # tiered pools: FP8 slots are dequantised per tile, with INT4 pages
-        k_scale8 = tl.load(KScale + kv_head)
-        v_scale8 = tl.load(VScale + kv_head)
 
     rows = m0 + tl.arange(0, BLOCK_M)  # [Mb] query index within the request
     dims = tl.arange(0, HEAD_DIM)
@@ -389,25 +372,132 @@ def _extend_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT, False,
-            NUM_KV_HEADS, VGROUP,
         )  # fmt: skip
     # Diagonal tiles, masked (PROBE 1, a measurement probe with a wrong result: unmasked).
     for n0 in range(full_end, key_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
-            False, NUM_KV_HEADS, VGROUP,
+            False,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
-    if QUANT == 1:
+    if QUANT:
         out = out * tl.load(VScale + kv_head)
     o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + dims[None, :], out.to(Out.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _attend_tile_tiered(
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, n0, key_end, rows_pos,
+    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+    FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+):  # fmt: skip
+    """``_attend_tile`` (scale mode "fma") over a tiered pool, on head-dim halves (channels
+    2j and 2j+1: q_lo/q_hi [Mb, D/2], acc_lo/acc_hi [Mb, D/2] fp32); the K/V tile comes
+    from decode's ``_tiered_kv`` (one branch per tile: INT4, FP8 or both)."""
+    keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+    half = tl.arange(0, HEAD_DIM // 2)
+    if MASKED:
+        valid = keys < key_end
+        page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    else:
+        valid = keys >= 0  # every key of the tile
+        page = tl.load(page_row + keys // PAGE_SIZE).to(tl.int64)
+    slot = keys % PAGE_SIZE
+    k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+        k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+        FSlot, KCodes, KStat, VCodes, VStat, page_row, n0, page, slot, valid, kv_head, half,
+        k_scale8, v_scale8, BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP,
+    )  # fmt: skip
+    s = tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)), input_precision=DOT_PRECISION)  # [Mb, Nb]
+    s = tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype)), acc=s, input_precision=DOT_PRECISION)
+    if MASKED:
+        causal = (keys[None, :] <= rows_pos[:, None]) & valid[None, :]
+        s = tl.where(causal, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+    p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(q_lo.dtype)
+    acc_lo = tl.dot(p, v_lo.to(q_lo.dtype), acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_hi = tl.dot(p, v_hi.to(q_lo.dtype), acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc_lo, acc_hi, m_new, l_i
+
+
+@triton.jit
+def _extend_tiered_kernel(
+    Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale,
+    FSlot, KCodes, KStat, VCodes, VStat,
+    qk_scale_log2,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    stride_ptb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    REVERSE_M: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+):  # fmt: skip
+    """``_extend_kernel`` (same grid and key walk) over a tiered pool: K/V tiles from
+    ``_tiered_kv``, the head dim as two halves (channels 2j, 2j+1) as in decode's
+    ``_decode_tiered_kernel``; float32 K/V rounded to q's dtype for the dots."""
+    head = tl.program_id(0)
+    b = tl.program_id(1)
+    if REVERSE_M:
+        m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # longest blocks first
+    else:
+        m_block = tl.program_id(2)
+    row0 = tl.load(CuExtend + b)
+    extend_len = tl.load(CuExtend + b + 1) - row0
+    m0 = m_block * BLOCK_M
+    if m0 >= extend_len:
+        return
+    prefix_len = tl.load(PrefixLens + b)
+    kv_head = head // GROUP
+    k_scale8 = tl.load(KScale + kv_head)
+    v_scale8 = tl.load(VScale + kv_head)
+
+    rows = m0 + tl.arange(0, BLOCK_M)  # [Mb] query index within the request
+    half = tl.arange(0, HEAD_DIM // 2)
+    row_mask = rows < extend_len
+    q_ptr = Q + (row0 + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + 2 * half[None, :]
+    q_lo = tl.load(q_ptr, mask=row_mask[:, None], other=0.0)  # [Mb, D/2] channels 2j
+    q_hi = tl.load(q_ptr + 1, mask=row_mask[:, None], other=0.0)  # channels 2j+1
+    rows_pos = prefix_len + rows  # [Mb] absolute position = last key each row sees
+    page_row = PageTable + b * stride_ptb
+    k_base = KPool + kv_head * stride_kk
+    v_base = VPool + kv_head * stride_vk
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HEAD_DIM // 2], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HEAD_DIM // 2], dtype=tl.float32)
+    # Keys [0, prefix_len + m0] are visible to every row: whole tiles of them need no mask.
+    full_end = (prefix_len + m0 + 1) // BLOCK_N * BLOCK_N
+    key_end = prefix_len + tl.minimum(m0 + BLOCK_M, extend_len)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc_lo, acc_hi, m_i, l_i = _attend_tile_tiered(
+            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, n0, key_end, rows_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, DOT_PRECISION, NUM_KV_HEADS, VGROUP,
+        )  # fmt: skip
+    for n0 in range(full_end, key_end, BLOCK_N):  # diagonal tiles: causal mask
+        acc_lo, acc_hi, m_i, l_i = _attend_tile_tiered(
+            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, n0, key_end, rows_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, DOT_PRECISION, NUM_KV_HEADS, VGROUP,
+        )  # fmt: skip
+
+    inv_l = 1.0 / l_i  # every row sees key 0, so l_i > 0
+    o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + 2 * half[None, :]
+    tl.store(o_ptr, (acc_lo * inv_l[:, None]).to(Out.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(o_ptr + 1, (acc_hi * inv_l[:, None]).to(Out.dtype.element_ty), mask=row_mask[:, None])
 
 
 # One binary for every N and page-table width (warm_up_split_path compiles it once).
@@ -466,16 +556,14 @@ def _extend_split_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
-            PageTable, PageTable, PageTable, PageTable, PageTable, kv_head, 1.0, 1.0,  # no tiered
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False, 1, 1,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False,
         )  # fmt: skip
     # Diagonal tiles (and the split's partial last tile): causal mask; a row may see none.
     for n0 in range(tl.maximum(start, full_end), end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
-            PageTable, PageTable, PageTable, PageTable, PageTable, kv_head, 1.0, 1.0,  # no tiered
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True, 1, 1,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True,
         )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -622,26 +710,29 @@ def _launch(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[2]
     grid = (num_heads, page_table.shape[0], triton.cdiv(max_extend_len, config.block_m))
-    tiered_args, vgroup = _tiered_args(tiered, prefix_lens, head_dim)
-    return _extend_kernel[grid](
-        q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out,
-        prefix_lens if k_scale is None else k_scale, prefix_lens if v_scale is None else v_scale,
-        *tiered_args,
-        scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        page_table.stride(0), out.stride(0), out.stride(1),
+    scales = (prefix_lens if k_scale is None else k_scale, prefix_lens if v_scale is None else v_scale)
+    strides = (q.stride(0), q.stride(1),
+               k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+               v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+               page_table.stride(0), out.stride(0), out.stride(1))  # fmt: skip
+    common = dict(
         GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        REVERSE_M=config.reverse_m, SCALE_MODE=_SCALE_MODES[config.scale_mode],
-        WARP_SPEC=config.warp_specialize, PROBE=probe,
-        QUANT=0 if k_scale is None else (2 if tiered is not None else 1),
-        NUM_KV_HEADS=num_kv_heads, VGROUP=vgroup,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1], DOT_PRECISION=_dot_precision(q.dtype),
+        REVERSE_M=config.reverse_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-
+    if tiered is not None:  # probes and scale modes are for the bf16 / FP8 kernel only
+        assert probe == 0, probe
+        return _extend_tiered_kernel[grid](
+            q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales, *tiered,
+            scale * LOG2E, *strides,
+            NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim), **common,
+        )  # fmt: skip
+    return _extend_kernel[grid](
+        q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales,
+        scale * LOG2E, *strides,
+        SCALE_MODE=_SCALE_MODES[config.scale_mode], WARP_SPEC=config.warp_specialize, PROBE=probe,
+        QUANT=int(k_scale is not None), **common,
+    )  # fmt: skip
 
 def _launch_split(
     q: torch.Tensor,
