@@ -133,110 +133,138 @@ class TieredPages(NamedTuple):
 
 
 @triton.jit
-def _int4_halves(
-    Codes, Stat, page, page0, slot, mask, kv_head, half,
-    IS_KEY: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, VGROUP: tl.constexpr, PAGE_TILE: tl.constexpr,
+def _tile_pages(
+    page_row, n0, key_end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, STEP: tl.constexpr
 ):  # fmt: skip
-    """INT4 K (IS_KEY) or V of a tile's keys as two [Nb, D/2] float32 halves: channels 2j
-    (low nibbles) and 2j+1 (high nibbles), j = ``half``. Each code byte is loaded once.
-    ``page`` [Nb] int64 logical pages, ``slot`` [Nb] offsets in the page, ``mask`` [Nb]
-    the keys to read. Key statistics: PAGE_TILE (the tile lies in the page ``page0``, a
-    scalar): two [D/2] vectors per statistic, broadcast over the rows; else per key."""
-    token = (page * PAGE_SIZE + slot) * NUM_KV_HEADS + kv_head  # [Nb] row of the codes
-    byte = tl.load(Codes + (token * (HEAD_DIM // 2))[:, None] + half[None, :],
-                   mask=mask[:, None], other=0)  # fmt: skip
+    """The logical pages of the tile of keys n0 .. n0 + BLOCK_N (n0 a multiple of BLOCK_N)
+    of a tiered pool, one entry per STEP keys, [BLOCK_N // STEP] int64 (``_tiled_step``: one
+    per page of the tile for power-of-two page sizes, else one per key); 0 past key_end."""
+    first = n0 + tl.arange(0, BLOCK_N // STEP) * STEP  # first key of each entry
+    return tl.load(page_row + first // PAGE_SIZE, mask=first < key_end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_slots(FSlot, pages, n0, key_end, BLOCK_N: tl.constexpr, STEP: tl.constexpr):
+    """The FP8 slots of ``_tile_pages``' entries, int64: >= 0 a slot, -1 INT4, -2 past
+    key_end. The kernels load both ahead (pages two tiles, slots one tile): page table ->
+    slot -> K/V is a chain of dependent loads."""
+    first = n0 + tl.arange(0, BLOCK_N // STEP) * STEP
+    return tl.load(FSlot + pages, mask=first < key_end, other=-2).to(tl.int64)
+
+
+@triton.jit
+def _int4_halves(
+    Codes, Stat, token, page, mask, page_mask, kv_head, half, like,
+    IS_KEY: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    VGROUP: tl.constexpr,
+):  # fmt: skip
+    """INT4 K (IS_KEY) or V as two halves, channels 2j (low nibbles) and 2j+1 (high
+    nibbles) for j = ``half`` [1, .., D/2], in ``like``'s dtype; each code byte is loaded
+    once. ``token`` [.., 1] int64 rows of the codes ((page * S + slot) * K + kv head),
+    ``page`` the logical page of each row (or of a block of rows: [NP, 1, 1] beside
+    [NP, S, 1] tokens, then each key statistic is loaded once per page), ``mask`` the rows
+    to read, ``page_mask`` (``page``'s shape) the pages. Value = code * scale + zero, in
+    float32."""
+    byte = tl.load(Codes + token * (HEAD_DIM // 2) + half, mask=mask, other=0)
     lo = (byte & 15).to(tl.float32)
     hi = (byte >> 4).to(tl.float32)
     if IS_KEY:  # [P, 2, K, D]: scale, zero per channel of the page
         zero_off = NUM_KV_HEADS * HEAD_DIM
-        if PAGE_TILE:
-            st = Stat + (page0 * 2 * NUM_KV_HEADS + kv_head) * HEAD_DIM + 2 * half  # [D/2]
-            s_lo = tl.load(st).to(tl.float32)[None, :]
-            s_hi = tl.load(st + 1).to(tl.float32)[None, :]
-            z_lo = tl.load(st + zero_off).to(tl.float32)[None, :]
-            z_hi = tl.load(st + zero_off + 1).to(tl.float32)[None, :]
-        else:
-            st = Stat + ((page * 2 * NUM_KV_HEADS + kv_head) * HEAD_DIM)[:, None] + 2 * half[None, :]
-            s_lo = tl.load(st, mask=mask[:, None], other=0.0).to(tl.float32)
-            s_hi = tl.load(st + 1, mask=mask[:, None], other=0.0).to(tl.float32)
-            z_lo = tl.load(st + zero_off, mask=mask[:, None], other=0.0).to(tl.float32)
-            z_hi = tl.load(st + zero_off + 1, mask=mask[:, None], other=0.0).to(tl.float32)
+        st = Stat + (page * 2 * NUM_KV_HEADS + kv_head) * HEAD_DIM + 2 * half
+        s_lo = tl.load(st, mask=page_mask, other=0.0).to(tl.float32)
+        s_hi = tl.load(st + 1, mask=page_mask, other=0.0).to(tl.float32)
+        z_lo = tl.load(st + zero_off, mask=page_mask, other=0.0).to(tl.float32)
+        z_hi = tl.load(st + zero_off + 1, mask=page_mask, other=0.0).to(tl.float32)
     else:  # [P, S, K, 2, D/G]: scale, zero per group of G channels of the token
         zero_off = HEAD_DIM // VGROUP
-        row = (token * 2 * (HEAD_DIM // VGROUP))[:, None]
-        st_lo = Stat + row + ((2 * half) // VGROUP)[None, :]
-        s_lo = tl.load(st_lo, mask=mask[:, None], other=0.0).to(tl.float32)
-        z_lo = tl.load(st_lo + zero_off, mask=mask[:, None], other=0.0).to(tl.float32)
+        row = token * 2 * (HEAD_DIM // VGROUP)
+        st_lo = Stat + row + (2 * half) // VGROUP
+        s_lo = tl.load(st_lo, mask=mask, other=0.0).to(tl.float32)
+        z_lo = tl.load(st_lo + zero_off, mask=mask, other=0.0).to(tl.float32)
         if VGROUP % 2 == 0:  # channels 2j and 2j+1 share a group
             s_hi = s_lo
             z_hi = z_lo
         else:
-            st_hi = Stat + row + ((2 * half + 1) // VGROUP)[None, :]
-            s_hi = tl.load(st_hi, mask=mask[:, None], other=0.0).to(tl.float32)
-            z_hi = tl.load(st_hi + zero_off, mask=mask[:, None], other=0.0).to(tl.float32)
-    return lo * s_lo + z_lo, hi * s_hi + z_hi
+            st_hi = Stat + row + (2 * half + 1) // VGROUP
+            s_hi = tl.load(st_hi, mask=mask, other=0.0).to(tl.float32)
+            z_hi = tl.load(st_hi + zero_off, mask=mask, other=0.0).to(tl.float32)
+    return (lo * s_lo + z_lo).to(like.dtype), (hi * s_hi + z_hi).to(like.dtype)
 
 
 @triton.jit
-def _fp8_halves(base8, stride_8p, stride_8s, fslot, slot, mask, half, scale8):
-    """FP8-slot K or V of a tile's keys times the per-head scale, as [Nb, D/2] float32
-    halves (channels 2j, 2j+1). ``base8`` = the slot pool + the kv head offset, ``fslot``
-    [Nb] int64 FP8 slots, ``slot`` [Nb] offsets in the page."""
-    ptr = base8 + (fslot * stride_8p + slot * stride_8s)[:, None] + 2 * half[None, :]
-    lo = tl.load(ptr, mask=mask[:, None], other=0.0).to(tl.float32) * scale8
-    hi = tl.load(ptr + 1, mask=mask[:, None], other=0.0).to(tl.float32) * scale8
-    return lo, hi
+def _fp8_halves(base8, stride_8p, stride_8s, fslot, slot, mask, half, scale8, like):
+    """FP8-slot K or V times the per-head scale as two halves (channels 2j, 2j+1; j =
+    ``half`` [1, .., D/2]) in ``like``'s dtype. ``base8`` = the slot pool + the kv head
+    offset, ``fslot`` int64 FP8 slots and ``slot`` offsets in the page (broadcastable)."""
+    ptr = base8 + fslot * stride_8p + slot * stride_8s + 2 * half
+    lo = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) * scale8
+    hi = tl.load(ptr + 1, mask=mask, other=0.0).to(tl.float32) * scale8
+    return lo.to(like.dtype), hi.to(like.dtype)
 
 
 @triton.jit
 def _tiered_kv(
     k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
-    FSlot, KCodes, KStat, VCodes, VStat, page_row, n0, page, slot, valid, kv_head, half,
-    k_scale8, v_scale8,
+    KCodes, KStat, VCodes, VStat, pages, fslot, n0, key_end, kv_head, k_scale8, v_scale8, like,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, VGROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VGROUP: tl.constexpr, ALIGNED: tl.constexpr, STEP: tl.constexpr,
 ):  # fmt: skip
-    """K and V of one tile of a tiered pool (keys n0 .. n0 + BLOCK_N, ``valid`` [Nb] the
-    ones to read, ``page`` [Nb] int64 their logical pages, ``slot`` [Nb] their offsets in
-    the page) as four [Nb, D/2] float32 halves (k_lo, k_hi, v_lo, v_hi: channels 2j, 2j+1).
+    """K and V of the tile of keys n0 .. n0 + BLOCK_N of a tiered pool (keys past key_end
+    read as 0; ``pages``/``fslot`` from ``_tile_pages``) as four [BLOCK_N, D/2] tiles in
+    ``like``'s dtype: k_lo, k_hi, v_lo, v_hi (channels 2j and 2j+1).
 
-    One uniform branch per tile, on a scalar: every valid key INT4 (the common case: loads
-    codes and statistics only), every valid key in an FP8 slot (loads the slots only), or
-    both (a tile over a page boundary between the kinds: loads both under complementary
-    masks and selects). With PAGE_SIZE % BLOCK_N == 0 the tile lies in one page: its slot
-    is one scalar load and its key statistics two [D/2] vectors per statistic."""
-    PAGE_TILE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-    if PAGE_TILE:  # one page: its FP8 slot decides
-        page0 = tl.load(page_row + n0 // PAGE_SIZE).to(tl.int64)
-        fslot0 = tl.load(FSlot + page0).to(tl.int64)
-        fslot = tl.zeros([BLOCK_N], dtype=tl.int64) + fslot0
-        tally = tl.where(fslot0 >= 0, 65536, 1)
-    else:  # count the tile's FP8 keys (x 65536) and INT4 keys in one reduction
-        page0 = page  # unused
-        fslot = tl.load(FSlot + page, mask=valid, other=-1).to(tl.int64)
-        tally = tl.sum(tl.where(valid, tl.where(fslot >= 0, 65536, 1), 0), 0)
+    One uniform branch per tile, on a scalar (a count of the tile's FP8 and INT4 pages):
+    every page INT4 (the common case: loads codes and statistics only), every page in an
+    FP8 slot (loads the slots only), or both (a tile across a boundary between the kinds:
+    loads both under complementary masks and selects). ALIGNED (power-of-two page sizes;
+    STEP = min(PAGE_SIZE, BLOCK_N)): the tile is [NP, SP, D/2]
+    (NP pages of SP keys) while it is loaded, so each key statistic is loaded once per
+    page and broadcast over its keys, then reshaped to [BLOCK_N, D/2]; otherwise (page
+    sizes that neither divide nor are multiples of BLOCK_N) every key looks its page up."""
+    half = tl.arange(0, HEAD_DIM // 2)
+    if ALIGNED:
+        offs = tl.arange(0, STEP)  # [SP] keys of a page in the tile (SP = STEP)
+        key = n0 + tl.arange(0, BLOCK_N // STEP)[:, None] * STEP + offs[None, :]  # [NP, SP]
+        valid = (key < key_end)[:, :, None]  # [NP, SP, 1]
+        page = pages[:, None, None]  # [NP, 1, 1]
+        slot = (n0 % PAGE_SIZE + offs)[None, :, None]  # [1, SP, 1]
+        fs = fslot[:, None, None]
+        half = half[None, None, :]  # [1, 1, D/2]
+    else:
+        key = n0 + tl.arange(0, BLOCK_N)
+        valid = (key < key_end)[:, None]  # [Nb, 1]
+        page = pages[:, None]
+        slot = (key % PAGE_SIZE)[:, None]
+        fs = fslot[:, None]
+        half = half[None, :]  # [1, D/2]
+    token = (page * PAGE_SIZE + slot) * NUM_KV_HEADS + kv_head  # rows of the codes
+    tally = tl.sum(tl.where(fslot >= 0, 65536, tl.where(fslot == -1, 1, 0)), 0)
     if tally < 65536:  # INT4 only
-        k_lo, k_hi = _int4_halves(KCodes, KStat, page, page0, slot, valid, kv_head, half, True,
-                                  PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, PAGE_TILE)  # fmt: skip
-        v_lo, v_hi = _int4_halves(VCodes, VStat, page, page0, slot, valid, kv_head, half, False,
-                                  PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, PAGE_TILE)  # fmt: skip
+        k_lo, k_hi = _int4_halves(KCodes, KStat, token, page, valid, fs != -2, kv_head, half, like,
+                                  True, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
+        v_lo, v_hi = _int4_halves(VCodes, VStat, token, page, valid, fs != -2, kv_head, half, like,
+                                  False, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
     elif tally % 65536 == 0:  # FP8 slots only
-        k_lo, k_hi = _fp8_halves(k_base, stride_kp, stride_ks, fslot, slot, valid, half, k_scale8)
-        v_lo, v_hi = _fp8_halves(v_base, stride_vp, stride_vs, fslot, slot, valid, half, v_scale8)
-    else:  # both kinds (never with PAGE_TILE)
-        in8 = valid & (fslot >= 0)
-        in4 = valid & (fslot < 0)
-        k_lo, k_hi = _int4_halves(KCodes, KStat, page, page0, slot, in4, kv_head, half, True,
-                                  PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, False)  # fmt: skip
-        v_lo, v_hi = _int4_halves(VCodes, VStat, page, page0, slot, in4, kv_head, half, False,
-                                  PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, False)  # fmt: skip
-        k8_lo, k8_hi = _fp8_halves(k_base, stride_kp, stride_ks, fslot, slot, in8, half, k_scale8)
-        v8_lo, v8_hi = _fp8_halves(v_base, stride_vp, stride_vs, fslot, slot, in8, half, v_scale8)
-        k_lo = tl.where(in8[:, None], k8_lo, k_lo)
-        k_hi = tl.where(in8[:, None], k8_hi, k_hi)
-        v_lo = tl.where(in8[:, None], v8_lo, v_lo)
-        v_hi = tl.where(in8[:, None], v8_hi, v_hi)
+        k_lo, k_hi = _fp8_halves(k_base, stride_kp, stride_ks, fs, slot, valid, half, k_scale8, like)
+        v_lo, v_hi = _fp8_halves(v_base, stride_vp, stride_vs, fs, slot, valid, half, v_scale8, like)
+    else:  # both kinds
+        in8 = valid & (fs >= 0)
+        in4 = valid & (fs == -1)
+        k_lo, k_hi = _int4_halves(KCodes, KStat, token, page, in4, fs == -1, kv_head, half, like,
+                                  True, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
+        v_lo, v_hi = _int4_halves(VCodes, VStat, token, page, in4, fs == -1, kv_head, half, like,
+                                  False, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
+        k8_lo, k8_hi = _fp8_halves(k_base, stride_kp, stride_ks, fs, slot, in8, half, k_scale8, like)
+        v8_lo, v8_hi = _fp8_halves(v_base, stride_vp, stride_vs, fs, slot, in8, half, v_scale8, like)
+        k_lo = tl.where(in8, k8_lo, k_lo)
+        k_hi = tl.where(in8, k8_hi, k_hi)
+        v_lo = tl.where(in8, v8_lo, v_lo)
+        v_hi = tl.where(in8, v8_hi, v_hi)
+    if ALIGNED:
+        k_lo = tl.reshape(k_lo, (BLOCK_N, HEAD_DIM // 2))
+        k_hi = tl.reshape(k_hi, (BLOCK_N, HEAD_DIM // 2))
+        v_lo = tl.reshape(v_lo, (BLOCK_N, HEAD_DIM // 2))
+        v_hi = tl.reshape(v_hi, (BLOCK_N, HEAD_DIM // 2))
     return k_lo, k_hi, v_lo, v_hi
 
 
@@ -349,6 +377,7 @@ def _decode_tiered_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr,
 ):  # fmt: skip
     """``_decode_split_kernel`` over a tiered pool (same grid, outputs and splits). The
     head dim is handled as two halves, channels 2j and 2j+1 (j < D/2): q, the K/V tiles
@@ -381,18 +410,22 @@ def _decode_tiered_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_H, HEAD_DIM // 2], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HEAD_DIM // 2], dtype=tl.float32)
+    # The tiles' pages and FP8 slots are loaded ahead: pages two tiles, slots one tile.
+    pages = _tile_pages(page_row, start, end, BLOCK_N, PAGE_SIZE, STEP)
+    fslot = _tile_slots(FSlot, pages, start, end, BLOCK_N, STEP)
+    pages_next = _tile_pages(page_row, start + BLOCK_N, end, BLOCK_N, PAGE_SIZE, STEP)
     for n0 in range(start, end, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
-        valid = keys < end
-        page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = keys % PAGE_SIZE
+        fslot_next = _tile_slots(FSlot, pages_next, n0 + BLOCK_N, end, BLOCK_N, STEP)
+        pages_after = _tile_pages(page_row, n0 + 2 * BLOCK_N, end, BLOCK_N, PAGE_SIZE, STEP)
         k_lo, k_hi, v_lo, v_hi = _tiered_kv(
             k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
-            FSlot, KCodes, KStat, VCodes, VStat, page_row, n0, page, slot, valid, kv_head, half,
-            k_scale8, v_scale8, BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP,
+            KCodes, KStat, VCodes, VStat, pages, fslot, n0, end, kv_head, k_scale8, v_scale8, q_lo,
+            BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP,
         )  # fmt: skip
-        s = tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)), input_precision=DOT_PRECISION)
-        s = tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype)), acc=s, input_precision=DOT_PRECISION)
+        keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+        valid = keys < end
+        s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+        s = tl.dot(q_hi, tl.trans(k_hi), acc=s, input_precision=DOT_PRECISION)
         s = s * qk_scale_log2  # [Hb, Nb], log2 domain
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -400,9 +433,10 @@ def _decode_tiered_kernel(
         p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
         l_i = l_i * alpha + tl.sum(p, 1)
         p = p.to(q_lo.dtype)
-        acc_lo = tl.dot(p, v_lo.to(q_lo.dtype), acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
-        acc_hi = tl.dot(p, v_hi.to(q_lo.dtype), acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
+        acc_lo = tl.dot(p, v_lo, acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
+        acc_hi = tl.dot(p, v_hi, acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
+        pages, fslot, pages_next = pages_next, fslot_next, pages_after
 
     nonempty = l_i > 0.0
     inv_l = 1.0 / tl.where(nonempty, l_i, 1.0)
@@ -589,6 +623,13 @@ def _check_tiered(k_pool: torch.Tensor, tiered: TieredPages | None) -> None:
         assert stat.dtype == torch.float16 and stat.is_contiguous()
 
 
+def _tiled_step(page_size: int, block_n: int) -> tuple[bool, int]:
+    """(ALIGNED, STEP) of the tiered kernels: power-of-two page sizes tile by page (STEP =
+    min(page_size, block_n) keys per page of a tile); others look every key's page up."""
+    aligned = page_size & (page_size - 1) == 0
+    return aligned, min(page_size, block_n) if aligned else 1
+
+
 def _value_group(tiered: TieredPages, head_dim: int) -> int:
     """Channels per value statistic group G (``v_stat`` holds D / G groups)."""
     return head_dim // tiered.v_stat.shape[-1]
@@ -639,10 +680,12 @@ def _launch(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if tiered is not None:
+        aligned, step = _tiled_step(page_size, config.block_n)
         split = _decode_tiered_kernel[grid](
             q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales, *tiered,
             scale * LOG2E, num_splits, *strides,
-            NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim), **common,
+            NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim),
+            ALIGNED=aligned, STEP=step, **common,
         )  # fmt: skip
     else:
         split = _decode_split_kernel[grid](

@@ -105,7 +105,10 @@ from radixlm.kernels.decode_attention import (
     _decode_merge_kernel,
     _dot_precision,
     _num_sms,
+    _tile_pages,
+    _tile_slots,
     _tiered_kv,
+    _tiled_step,
     _value_group,
 )
 
@@ -392,42 +395,63 @@ def _extend_kernel(
 
 @triton.jit
 def _attend_tile_tiered(
-    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, n0, key_end, rows_pos,
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, pages, fslot, n0, key_end, rows_pos,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
-    FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+    KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr,
 ):  # fmt: skip
     """``_attend_tile`` (scale mode "fma") over a tiered pool, on head-dim halves (channels
     2j and 2j+1: q_lo/q_hi [Mb, D/2], acc_lo/acc_hi [Mb, D/2] fp32); the K/V tile comes
-    from decode's ``_tiered_kv`` (one branch per tile: INT4, FP8 or both)."""
-    keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
-    half = tl.arange(0, HEAD_DIM // 2)
-    if MASKED:
-        valid = keys < key_end
-        page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    else:
-        valid = keys >= 0  # every key of the tile
-        page = tl.load(page_row + keys // PAGE_SIZE).to(tl.int64)
-    slot = keys % PAGE_SIZE
+    from decode's ``_tiered_kv`` (one branch per tile: INT4, FP8 or both) given the tile's
+    ``pages``/``fslot`` (``_tile_pages``, ``_tile_slots``)."""
     k_lo, k_hi, v_lo, v_hi = _tiered_kv(
         k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
-        FSlot, KCodes, KStat, VCodes, VStat, page_row, n0, page, slot, valid, kv_head, half,
-        k_scale8, v_scale8, BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP,
+        KCodes, KStat, VCodes, VStat, pages, fslot, n0, key_end, kv_head, k_scale8, v_scale8, q_lo,
+        BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP,
     )  # fmt: skip
-    s = tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)), input_precision=DOT_PRECISION)  # [Mb, Nb]
-    s = tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype)), acc=s, input_precision=DOT_PRECISION)
+    s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)  # [Mb, Nb]
+    s = tl.dot(q_hi, tl.trans(k_hi), acc=s, input_precision=DOT_PRECISION)
     if MASKED:
-        causal = (keys[None, :] <= rows_pos[:, None]) & valid[None, :]
+        keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+        causal = (keys[None, :] <= rows_pos[:, None]) & (keys < key_end)[None, :]
         s = tl.where(causal, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
     p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(q_lo.dtype)
-    acc_lo = tl.dot(p, v_lo.to(q_lo.dtype), acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
-    acc_hi = tl.dot(p, v_hi.to(q_lo.dtype), acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_lo = tl.dot(p, v_lo, acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_hi = tl.dot(p, v_hi, acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
     return acc_lo, acc_hi, m_new, l_i
+
+
+@triton.jit
+def _tiered_key_loop(
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, first, last, key_end,
+    rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+    FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr,
+):  # fmt: skip
+    """Tiles first, first + BLOCK_N, .. < last (keys < key_end read) through
+    ``_attend_tile_tiered``, with the pages loaded two tiles ahead and the slots one."""
+    pages = _tile_pages(page_row, first, key_end, BLOCK_N, PAGE_SIZE, STEP)
+    fslot = _tile_slots(FSlot, pages, first, key_end, BLOCK_N, STEP)
+    pages_next = _tile_pages(page_row, first + BLOCK_N, key_end, BLOCK_N, PAGE_SIZE, STEP)
+    for n0 in range(first, last, BLOCK_N):
+        fslot_next = _tile_slots(FSlot, pages_next, n0 + BLOCK_N, key_end, BLOCK_N, STEP)
+        pages_after = _tile_pages(page_row, n0 + 2 * BLOCK_N, key_end, BLOCK_N, PAGE_SIZE, STEP)
+        acc_lo, acc_hi, m_i, l_i = _attend_tile_tiered(
+            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, pages, fslot, n0, key_end,
+            rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+            KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED, DOT_PRECISION, NUM_KV_HEADS, VGROUP, ALIGNED, STEP,
+        )  # fmt: skip
+        pages, fslot, pages_next = pages_next, fslot_next, pages_after
+    return acc_lo, acc_hi, m_i, l_i
 
 
 @triton.jit
@@ -441,6 +465,7 @@ def _extend_tiered_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     REVERSE_M: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr,
 ):  # fmt: skip
     """``_extend_kernel`` (same grid and key walk) over a tiered pool: K/V tiles from
     ``_tiered_kv``, the head dim as two halves (channels 2j, 2j+1) as in decode's
@@ -479,20 +504,18 @@ def _extend_tiered_kernel(
     # Keys [0, prefix_len + m0] are visible to every row: whole tiles of them need no mask.
     full_end = (prefix_len + m0 + 1) // BLOCK_N * BLOCK_N
     key_end = prefix_len + tl.minimum(m0 + BLOCK_M, extend_len)
-    for n0 in range(0, full_end, BLOCK_N):
-        acc_lo, acc_hi, m_i, l_i = _attend_tile_tiered(
-            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, n0, key_end, rows_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
-            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, DOT_PRECISION, NUM_KV_HEADS, VGROUP,
-        )  # fmt: skip
-    for n0 in range(full_end, key_end, BLOCK_N):  # diagonal tiles: causal mask
-        acc_lo, acc_hi, m_i, l_i = _attend_tile_tiered(
-            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, n0, key_end, rows_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
-            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, DOT_PRECISION, NUM_KV_HEADS, VGROUP,
-        )  # fmt: skip
+    acc_lo, acc_hi, m_i, l_i = _tiered_key_loop(
+        acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, 0, full_end, key_end,
+        rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+        FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, DOT_PRECISION, NUM_KV_HEADS, VGROUP, ALIGNED, STEP,
+    )  # fmt: skip
+    acc_lo, acc_hi, m_i, l_i = _tiered_key_loop(  # diagonal tiles: causal mask
+        acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, full_end, key_end, key_end,
+        rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+        FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, DOT_PRECISION, NUM_KV_HEADS, VGROUP, ALIGNED, STEP,
+    )  # fmt: skip
 
     inv_l = 1.0 / l_i  # every row sees key 0, so l_i > 0
     o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + 2 * half[None, :]
@@ -722,10 +745,12 @@ def _launch(
     )  # fmt: skip
     if tiered is not None:  # probes and scale modes are for the bf16 / FP8 kernel only
         assert probe == 0, probe
+        aligned, step = _tiled_step(k_pool.shape[1], config.block_n)
         return _extend_tiered_kernel[grid](
             q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales, *tiered,
             scale * LOG2E, *strides,
-            NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim), **common,
+            NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim),
+            ALIGNED=aligned, STEP=step, **common,
         )  # fmt: skip
     return _extend_kernel[grid](
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales,
