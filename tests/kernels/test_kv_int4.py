@@ -200,36 +200,51 @@ def test_tiered_pages_need_fp8_slots_and_matching_shapes() -> None:
                          k_scale=k_scale, v_scale=v_scale, tiered=bad)  # fmt: skip
 
 
+# Decode launch parameters checked on the GPU besides the default (TIERED_DECODE_CONFIG):
+# one page per tile (page 16), and the variants bench/kv_speed_gpu.py times.
+GPU_DECODE_CONFIGS = [
+    None, DecodeConfig(block_n=16), DecodeConfig(block_n=32, num_warps=2),
+    DecodeConfig(block_n=128, num_warps=8), DecodeConfig(num_stages=1), DecodeConfig(num_stages=3),
+]
+GPU_EXTEND_CONFIGS = [None, ExtendConfig(block_m=64, block_n=64), ExtendConfig(block_m=128, block_n=64,
+                                                                               num_warps=8, num_stages=2)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64)])  # Llama-3-8B, SmolLM2-135M
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_tiered_pages_with_bf16_queries_on_gpu(shape, page_size) -> None:
-    """bf16 queries over FP8 slots + INT4 pages at real head shapes (G 64): decode with and
-    without splits and extend, within 1e-2 of the float32 reference on the same pages."""
+@pytest.mark.parametrize("page_size", [16, 64, 12])  # 12: pages straddle tiles
+@pytest.mark.parametrize("layout", ["random", "mixed"])
+def test_tiered_pages_with_bf16_queries_on_gpu(shape, page_size, layout) -> None:
+    """bf16 queries over FP8 slots + INT4 pages at real head shapes (G 64), pages split
+    at random or as mixed's steady state (sink and window FP8): decode with and without
+    splits under several launch configs, and extend, within 1e-2 of the float32 reference
+    on the same pages."""
     num_heads, num_kv_heads, head_dim = shape
     lens = [1, 100, 700, 2100]
     case, k8, v8, k_scale, v_scale, tiered, (k_dense, v_dense) = _tiered_case(
-        [(n - 1, 1) for n in lens], num_heads, num_kv_heads, head_dim, page_size, 64
+        [(n - 1, 1) for n in lens], num_heads, num_kv_heads, head_dim, page_size, 64, layout=layout
     )
     q = case.q.to(torch.bfloat16)
     ref = reference.paged_attention(q.float(), k_dense, v_dense, case.page_table, case.prefix,
                                     case.extend, case.scale)  # fmt: skip
-    for num_splits in (1, 4):
-        out = decode_attention(q, k8, v8, case.page_table, case.seq_lens, case.scale, num_splits=num_splits,
-                               k_scale=k_scale, v_scale=v_scale, tiered=tiered)  # fmt: skip
-        assert rel_error(out, ref) < 1e-2, num_splits
+    for config in GPU_DECODE_CONFIGS:
+        for num_splits in (1, 4):
+            out = decode_attention(q, k8, v8, case.page_table, case.seq_lens, case.scale, num_splits=num_splits,
+                                   config=config, k_scale=k_scale, v_scale=v_scale, tiered=tiered)  # fmt: skip
+            assert rel_error(out, ref) < 1e-2, (config, num_splits)
     specs = [(0, 300), (500, 77), (1000, 1)]
     case, k8, v8, k_scale, v_scale, tiered, (k_dense, v_dense) = _tiered_case(
-        specs, num_heads, num_kv_heads, head_dim, page_size, 64, seed=3
+        specs, num_heads, num_kv_heads, head_dim, page_size, 64, seed=3, layout=layout
     )
     q = case.q.to(torch.bfloat16)
     ref = reference.paged_attention(q.float(), k_dense, v_dense, case.page_table, case.prefix,
                                     case.extend, case.scale)  # fmt: skip
-    out = extend_attention(q, k8, v8, case.page_table, case.cu_extend, case.prefix_lens, case.scale,
-                           max_extend_len=case.max_extend, k_scale=k_scale, v_scale=v_scale,
-                           tiered=tiered)  # fmt: skip
-    assert rel_error(out, ref) < 1e-2
+    for config in GPU_EXTEND_CONFIGS:
+        out = extend_attention(q, k8, v8, case.page_table, case.cu_extend, case.prefix_lens, case.scale,
+                               max_extend_len=case.max_extend, config=config, k_scale=k_scale,
+                               v_scale=v_scale, tiered=tiered)  # fmt: skip
+        assert rel_error(out, ref) < 1e-2, config
 
 
 @pytest.mark.parametrize(("page_size", "num_kv_heads", "head_dim", "group"), [(16, 3, 64, 64), (4, 2, 32, 8)])
