@@ -57,12 +57,30 @@ per key; the dequantisation costs one convert per element, to fp16 by default
 
 Tiered pools (int4 / mixed, ``TieredPages``; docs/ARCHITECTURE.md "Quantised KV cache"):
 the k/v pools are the FP8 slots [F, S, K, D] and each logical page is either in the slot
-``fp8_slot[page]`` or INT4 (KIVI: codes [P, S, K, D/2] uint8, key scale/zero per channel
-of the page, value scale/zero per group of G channels of a token, fp16). ``_tiered_tile``
-loads a tile's slot ids after the page-table lookup, then the FP8 elements and the INT4
-codes + statistics under complementary masks, and returns code * scale + zero or
-fp8 * s, in float32; nothing is folded into the softmax scale. Also used by the extend
-kernel. 0.33 of bf16's bytes per key (page 16, G 64), more instructions per element.
+``fp8_slot[page]`` or INT4 (KIVI, Liu et al. 2024: codes [P, S, K, D/2] uint8, key
+scale/zero per channel of the page, value scale/zero per group of G channels of a token,
+fp16). ``_decode_tiered_kernel`` (same grid, splits and merge as above):
+
+  * Head-dim halves: q, the K/V tiles and the accumulator are pairs of [., D/2] tensors,
+    channels 2j and 2j+1 (q . k = q_lo . k_lo + q_hi . k_hi; p @ v = [p @ v_lo, p @ v_hi]),
+    so a [Nb, D/2] byte tile unpacks into its low and high nibbles (code & 15, code >> 4)
+    with each byte loaded once and no interleave.
+  * Tiles of whole pages (power-of-two S): while loaded, a tile is [NP, SP, D/2] (NP pages
+    of SP = min(S, BLOCK_N) keys), so the key statistics are loaded once per page
+    ([NP, 1, D/2]) and broadcast; the dequantised tile is reshaped to [BLOCK_N, D/2].
+    Other page sizes look every key's page up (statistics per key).
+  * One uniform branch per tile (``_tiered_kv``), on a scalar count of the tile's FP8 and
+    INT4 pages: all INT4 (the common case: codes and statistics only), all FP8 (the slots
+    only, times the per-kv-head scale), or both (a tile across a boundary between the
+    kinds: both loads under complementary masks, then a select).
+  * The page-table entries and FP8 slots of the tiles are loaded ahead (pages two tiles,
+    slots one), so only the K/V loads wait in a tile (page -> slot -> K/V is a chain of
+    dependent loads).
+  * Values are code * scale + zero (or fp8 * scale) in float32, rounded to q's dtype for
+    the dots (fp32 accumulation). Launch parameters: ``TIERED_DECODE_CONFIG``.
+0.30 of bf16's bytes per key (page 16, G 64: K 0.5 + 4/16, V 0.5 + 4/64 bytes per element).
+The extend kernel reads tiered pools with the same helpers (``_tile_pages``,
+``_tile_slots``, ``_tiered_kv``). Not yet timed on a GPU (bench/kv_speed_gpu.py).
 """
 
 from __future__ import annotations
@@ -567,13 +585,14 @@ def decode_attention(
         workspace: optional scratch for N > 1, exactly ``DecodeWorkspace.allocate(B, H, N, D)``
             (allocated per call when omitted).
         config: launch parameters (block size, warps, stages, split heuristic); default
-            ``DecodeConfig()``, ``FP8_DECODE_CONFIG`` for FP8 pools.
+            ``default_decode_config`` (``DecodeConfig()``, ``FP8_DECODE_CONFIG`` for FP8
+            pools, ``TIERED_DECODE_CONFIG`` with ``tiered``; block_n >= 16 there).
         k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
             float8_e4m3fn pools (value = stored * scale).
         tiered: int4 / mixed pools: the INT4 pages and the page -> FP8 slot map
             (``TieredPages``); ``k_pool``/``v_pool`` are then the [F, S, K, D] FP8 slots
             and the page table holds logical pages. Each key is read from its page's FP8
-            slot or dequantised from INT4 in registers.
+            slot or dequantised from INT4 in registers (``_decode_tiered_kernel``; D >= 32).
     """
     _check_inputs(q, k_pool, v_pool, page_table, seq_lens)
     _check_scales(k_pool, k_scale, v_scale)

@@ -85,6 +85,17 @@ FP8 pools (float8_e4m3fn pages, per-kv-head float32 ``k_scale``/``v_scale`` [K])
 the decode kernel, K/V tiles are converted to q's dtype in registers, the K scale is
 folded into the softmax scale and the V scale multiplies the output once (a program
 serves one query head, hence one kv head: both scales are scalars).
+
+Tiered pools (int4 / mixed, ``TieredPages``): ``_extend_tiered_kernel``, the same grid and
+key walk (unmasked tiles, then causal diagonal tiles) on head-dim halves, with decode's
+tile helpers (one branch per tile: all INT4, all FP8 or both; key statistics once per
+page; pages and slots loaded ahead; see decode_attention's docstring). Always one pass:
+the split-KV path does not read INT4 pages (its grid groups the G query heads of a kv
+head, which would need a third tiered kernel); the one-pass grid (H x B x M blocks)
+already fills the GPU for long extends and batches, short extends over a long prefix at
+small batch get fewer programs than SMs. Each query head dequantises its K/V tiles itself
+(the G heads of a kv head run side by side, the bytes come from L2). Not yet timed on a
+GPU (bench/kv_speed_gpu.py, EXTEND_VARIANTS).
 """
 
 from __future__ import annotations
@@ -105,9 +116,9 @@ from radixlm.kernels.decode_attention import (
     _decode_merge_kernel,
     _dot_precision,
     _num_sms,
+    _tiered_kv,
     _tile_pages,
     _tile_slots,
-    _tiered_kv,
     _tiled_step,
     _value_group,
 )
@@ -663,14 +674,15 @@ def extend_attention(
         k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
             float8_e4m3fn pools (value = stored * scale).
         num_splits: key splits N of the split-KV path; 1 = the long-extend kernel; default
-            ``extend_num_splits`` on the bounds ``max_extend_len`` and Pmax * S (always 1
-            with ``tiered``: the split path does not read INT4 pages).
+            ``extend_num_splits`` on the bounds ``max_extend_len`` and Pmax * S (ignored,
+            i.e. 1, with ``tiered``: the split path does not read INT4 pages).
         workspace: optional scratch for N > 1, exactly
             ``DecodeWorkspace.allocate(T, H, N, D)`` (allocated per call when omitted).
         split_config: launch parameters of the split-KV path; default
             ``default_split_config(q.device)``.
         tiered: int4 / mixed pools (``decode_attention.TieredPages``): ``k_pool``/``v_pool``
-            are the FP8 slots, pages without one are read as INT4.
+            are the FP8 slots, pages without one are read as INT4 (``_extend_tiered_kernel``;
+            D >= 32, ``config.block_n`` >= 16).
     """
     _check_inputs(q, k_pool, v_pool, page_table, cu_extend, prefix_lens)
     _check_scales(k_pool, k_scale, v_scale)

@@ -24,7 +24,6 @@ from radixlm.kernels.extend_attention import ExtendConfig, extend_attention  # n
 
 from .conftest import DEVICE, make_paged_case, rel_error  # noqa: E402
 
-
 # Which pages of a sequence are INT4 (the others, and every partly filled last page, are
 # in FP8 slots): "random" (half of the pool's pages), "mixed" (the steady state of
 # --kv-cache-dtype mixed: the sink page and a window of the last MIXED_WINDOW pages in FP8,
