@@ -81,11 +81,11 @@ DECODE_VARIANTS = [
     ("int4", {"min_split_keys": 1 << 20}),  # one split per request
 ]
 # Extend kernel launch variants for the tiered pools: (pool, ExtendConfig fields replacing
-# those of ``default_extend_config``: 128 x 128 tiles, 8 warps, 3 stages on Hopper here).
+# those of ``default_extend_config``; int4 / mixed on Hopper: HOPPER_TIERED_EXTEND_CONFIG,
+# 128 x 64 tiles, 8 warps, 2 stages).
 EXTEND_VARIANTS = [
-    ("int4", {"num_stages": 2}), ("int4", {"block_n": 64, "num_stages": 2}),
-    ("int4", {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}),
-    ("int4", {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}),
+    ("int4", {"block_n": 128, "num_stages": 3}), ("int4", {"block_n": 128}), ("int4", {"num_stages": 3}),
+    ("int4", {"block_m": 64, "block_n": 64, "num_warps": 4}), ("int4", {"block_m": 64}),
 ]
 MIXED_WINDOW = 2  # mixed: FP8 pages per sequence besides its first (sink) page
 
@@ -272,7 +272,7 @@ def bench_extend(
 
         row[f"{name}_us"] = timer.median_us(fn, graph=True)
         outs[name] = fn()
-    config = default_extend_config(q.device, new, table.shape[1] * PAGE)
+    config = default_extend_config(q.device, new, table.shape[1] * PAGE, tiered=True)
     row["int4_kernel"] = extend_kernel_info(q, pools["int4"], table, cu, prefix_lens, new, config)
     for name in ("fp8", "int4", "mixed"):
         pool = "fp8_e4m3" if name == "fp8" else name
@@ -281,7 +281,8 @@ def bench_extend(
     row["variants_us"] = {}
     for pool_name, kwargs in EXTEND_VARIANTS:
         k, v, ks, vs, tiered = pools[pool_name]
-        config = dataclasses.replace(default_extend_config(q.device, new, table.shape[1] * PAGE), **kwargs)
+        default = default_extend_config(q.device, new, table.shape[1] * PAGE, tiered is not None)
+        config = dataclasses.replace(default, **kwargs)
         key = pool_name + ":" + ",".join(f"{a}={b}" for a, b in kwargs.items())
         row["variants_us"][key] = _timed(
             timer, lambda k=k, v=v, ks=ks, vs=vs, t=tiered, c=config: extend_attention(

@@ -94,8 +94,9 @@ the split-KV path does not read INT4 pages (its grid groups the G query heads of
 head, which would need a third tiered kernel); the one-pass grid (H x B x M blocks)
 already fills the GPU for long extends and batches, short extends over a long prefix at
 small batch get fewer programs than SMs. Each query head dequantises its K/V tiles itself
-(the G heads of a kv head run side by side, the bytes come from L2). Not yet timed on a
-GPU (bench/kv_speed_gpu.py, EXTEND_VARIANTS).
+(the G heads of a kv head run side by side, the bytes come from L2). Launch parameters on
+Hopper: ``HOPPER_TIERED_EXTEND_CONFIG``. Not yet timed on a GPU (bench/kv_speed_gpu.py,
+EXTEND_VARIANTS).
 """
 
 from __future__ import annotations
@@ -167,6 +168,12 @@ class ExtendConfig:
 #    128 x 128 tiles (one 161 KB program per SM).
 HOPPER_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 HOPPER_PREFILL_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+# Tiered pools (``_extend_tiered_kernel``) on Hopper, every shape: not yet timed on a GPU
+# (bench/kv_speed_gpu.py, EXTEND_VARIANTS). Chosen from ptxas -v of the sm_90a build with
+# triton 3.6 (Llama-3-8B head shape, page 16): 128 x 64 tiles, 8 warps, 2 stages use 255
+# registers and no spills; 128 x 128 / 8 warps / 3 stages spills ~1 KB per thread (as the
+# bf16 kernel's HOPPER_EXTEND_CONFIG does), 64 x 64 / 4 warps ~1 KB.
+HOPPER_TIERED_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
 @dataclass(frozen=True)
@@ -200,18 +207,24 @@ def _is_hopper_or_newer(device: torch.device) -> bool:
 
 
 def default_extend_config(
-    device: torch.device, max_extend_len: int | None = None, max_seq_len: int | None = None
+    device: torch.device,
+    max_extend_len: int | None = None,
+    max_seq_len: int | None = None,
+    tiered: bool = False,
 ) -> ExtendConfig:
     """The launch parameters used when the caller passes none.
 
     Below compute capability 9.0: ``ExtendConfig()`` (fits ~100 KB of shared memory). On
-    Hopper and newer, by shape bucket (host-side bounds; no device sync):
-    ``HOPPER_EXTEND_CONFIG`` when the keys per request (bound ``max_seq_len``) are at least
-    twice the new tokens (``max_extend_len`` >= 128), i.e. the cached prefix is at least as
-    long as the extend; ``HOPPER_PREFILL_CONFIG`` otherwise (plain or short-prefix prefill,
-    and extends under 128 tokens). With no bounds given: ``HOPPER_EXTEND_CONFIG``."""
+    Hopper and newer: ``HOPPER_TIERED_EXTEND_CONFIG`` for tiered pools (``tiered``), else by
+    shape bucket (host-side bounds; no device sync): ``HOPPER_EXTEND_CONFIG`` when the keys
+    per request (bound ``max_seq_len``) are at least twice the new tokens
+    (``max_extend_len`` >= 128), i.e. the cached prefix is at least as long as the extend;
+    ``HOPPER_PREFILL_CONFIG`` otherwise (plain or short-prefix prefill, and extends under
+    128 tokens). With no bounds given: ``HOPPER_EXTEND_CONFIG``."""
     if not _is_hopper_or_newer(device):
         return ExtendConfig()
+    if tiered:
+        return HOPPER_TIERED_EXTEND_CONFIG
     if max_extend_len is None or max_seq_len is None:
         return HOPPER_EXTEND_CONFIG
     if max_extend_len >= 128 and max_seq_len >= 2 * max_extend_len:
@@ -670,7 +683,7 @@ def extend_attention(
         max_extend_len: host int >= every extend length (sizes the grid; no device sync).
         out: optional [T, H, D] output buffer (q's dtype, last dim contiguous).
         config: launch parameters (block sizes, warps, stages); default
-            ``default_extend_config(q.device, max_extend_len, Pmax * S)``.
+            ``default_extend_config(q.device, max_extend_len, Pmax * S, tiered is not None)``.
         k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
             float8_e4m3fn pools (value = stored * scale).
         num_splits: key splits N of the split-KV path; 1 = the long-extend kernel; default
@@ -696,7 +709,7 @@ def extend_attention(
                                        max_extend_len, max_seq_len, q.device, split_config)  # fmt: skip
     assert num_splits >= 1, num_splits
     if config is None:
-        config = default_extend_config(q.device, max_extend_len, max_seq_len)
+        config = default_extend_config(q.device, max_extend_len, max_seq_len, tiered is not None)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1

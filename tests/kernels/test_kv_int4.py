@@ -205,8 +205,8 @@ GPU_DECODE_CONFIGS = [
     None, DecodeConfig(block_n=16), DecodeConfig(block_n=32, num_warps=2),
     DecodeConfig(block_n=128, num_warps=8), DecodeConfig(num_stages=1), DecodeConfig(num_stages=3),
 ]
-GPU_EXTEND_CONFIGS = [None, ExtendConfig(block_m=64, block_n=64), ExtendConfig(block_m=128, block_n=64,
-                                                                               num_warps=8, num_stages=2)]
+GPU_EXTEND_CONFIGS = [None, ExtendConfig(block_m=64, block_n=64), ExtendConfig(block_m=128, block_n=128,
+                                                                               num_warps=8, num_stages=3)]
 
 
 @pytest.mark.gpu
