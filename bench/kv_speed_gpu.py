@@ -74,7 +74,7 @@ DECODE_VARIANTS = [
     ("base", {"block_n": 32}), ("base", {"block_n": 32, "num_warps": 2}),
     ("fp8_e4m3", {"fp8_compute": "q", "block_n": 64}), ("fp8_e4m3", {"block_n": 64}),
     ("fp8_e4m3", {"block_n": 128}), ("fp8_e4m3", {"block_n": 128, "num_warps": 2}),
-    ("int4", {"block_n": 16}), ("int4", {"block_n": 32, "num_warps": 2}),
+    ("int4", {"block_n": 16}), ("int4", {"block_n": 32}), ("int4", {"block_n": 32, "num_warps": 2}),
     ("int4", {"num_stages": 1}), ("int4", {"num_stages": 3}), ("int4", {"num_warps": 8}),
     ("int4", {"block_n": 128}), ("int4", {"block_n": 128, "num_warps": 8}),
     ("int4", {"programs_per_sm": 2}), ("int4", {"programs_per_sm": 8}),

@@ -69,10 +69,14 @@ fp16). ``_decode_tiered_kernel`` (same grid, splits and merge as above):
     of SP = min(S, BLOCK_N) keys), so the key statistics are loaded once per page
     ([NP, 1, D/2]) and broadcast; the dequantised tile is reshaped to [BLOCK_N, D/2].
     Other page sizes look every key's page up (statistics per key).
-  * One uniform branch per tile (``_tiered_kv``), on a scalar count of the tile's FP8 and
-    INT4 pages: all INT4 (the common case: codes and statistics only), all FP8 (the slots
-    only, times the per-kv-head scale), or both (a tile across a boundary between the
-    kinds: both loads under complementary masks, then a select).
+  * Uniform branches per tile on a scalar count of the tile's FP8 and INT4 pages
+    (``_tile_tally``): if it holds INT4 pages, one online-softmax update over its INT4 keys
+    (codes and statistics loaded only: ``_tiered_kv`` KIND 4); if it holds FP8 pages, one
+    over its FP8 keys (the slots only, times the per-kv-head scale: KIND 8). All-INT4 and
+    all-FP8 tiles (nearly all) take one branch; a tile across a boundary between the kinds
+    takes both, each key masked out of the other (``_tile_kinds``). Only one kind's tiles
+    are live at a time: a single branch holding both kinds' loads had the sm_90 build spill
+    (ptxas -v, bench/ptxas_usage.py).
   * The page-table entries and FP8 slots of the tiles are loaded ahead (pages two tiles,
     slots one), so only the K/V loads wait in a tile (page -> slot -> K/V is a chain of
     dependent loads).
@@ -221,24 +225,46 @@ def _fp8_halves(base8, stride_8p, stride_8s, fslot, slot, mask, half, scale8, li
 
 
 @triton.jit
+def _tile_kinds(page_row, FSlot, keys, valid, tally, PAGE_SIZE: tl.constexpr):
+    """Per-key masks [Nb] of a tile's INT4 and FP8 keys (``tally`` from ``_tile_tally``):
+    ``valid`` for both when the tile holds one kind; in a tile across a boundary between the
+    kinds each key's page and slot are looked up (L1/L2 hits: loaded for the tile already)."""
+    kind4 = valid
+    kind8 = valid
+    if tally % 65536 != 0:
+        if tally >= 65536:  # both kinds
+            page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0)
+            fs = tl.load(FSlot + page, mask=valid, other=-2)
+            kind4 = fs == -1
+            kind8 = fs >= 0
+    return kind4, kind8
+
+
+@triton.jit
+def _tile_tally(fslot):
+    """65536 x (FP8 entries) + (INT4 entries) of a tile's ``_tile_slots`` (entries past
+    key_end count for neither): a scalar the kernels branch on, uniformly per program."""
+    return tl.sum(tl.where(fslot >= 0, 65536, tl.where(fslot == -1, 1, 0)), 0)
+
+
+@triton.jit
 def _tiered_kv(
     k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
     KCodes, KStat, VCodes, VStat, pages, fslot, n0, key_end, kv_head, k_scale8, v_scale8, like,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, VGROUP: tl.constexpr, ALIGNED: tl.constexpr, STEP: tl.constexpr,
+    KIND: tl.constexpr,
 ):  # fmt: skip
-    """K and V of the tile of keys n0 .. n0 + BLOCK_N of a tiered pool (keys past key_end
-    read as 0; ``pages``/``fslot`` from ``_tile_pages``) as four [BLOCK_N, D/2] tiles in
+    """K and V of one kind of keys of the tile n0 .. n0 + BLOCK_N of a tiered pool: KIND 4
+    the INT4 pages' keys (codes and statistics loaded), 8 the FP8 slots' (slots loaded,
+    times the per-kv-head scale); other keys and keys past key_end read as 0. ``pages`` /
+    ``fslot`` from ``_tile_pages`` / ``_tile_slots``. Returns four [BLOCK_N, D/2] tiles in
     ``like``'s dtype: k_lo, k_hi, v_lo, v_hi (channels 2j and 2j+1).
 
-    One uniform branch per tile, on a scalar (a count of the tile's FP8 and INT4 pages):
-    every page INT4 (the common case: loads codes and statistics only), every page in an
-    FP8 slot (loads the slots only), or both (a tile across a boundary between the kinds:
-    loads both under complementary masks and selects). ALIGNED (power-of-two page sizes;
-    STEP = min(PAGE_SIZE, BLOCK_N)): the tile is [NP, SP, D/2]
-    (NP pages of SP keys) while it is loaded, so each key statistic is loaded once per
-    page and broadcast over its keys, then reshaped to [BLOCK_N, D/2]; otherwise (page
-    sizes that neither divide nor are multiples of BLOCK_N) every key looks its page up."""
+    ALIGNED (power-of-two page sizes, STEP = min(PAGE_SIZE, BLOCK_N) keys per page of the
+    tile): the tile is [NP, SP, D/2] (NP pages of SP keys) while it is loaded, so each key
+    statistic is loaded once per page ([NP, 1, D/2]) and broadcast over its keys, then
+    reshaped to [BLOCK_N, D/2]; otherwise every key looks its page up."""
     half = tl.arange(0, HEAD_DIM // 2)
     if ALIGNED:
         offs = tl.arange(0, STEP)  # [SP] keys of a page in the tile (SP = STEP)
@@ -255,35 +281,43 @@ def _tiered_kv(
         slot = (key % PAGE_SIZE)[:, None]
         fs = fslot[:, None]
         half = half[None, :]  # [1, D/2]
-    token = (page * PAGE_SIZE + slot) * NUM_KV_HEADS + kv_head  # rows of the codes
-    tally = tl.sum(tl.where(fslot >= 0, 65536, tl.where(fslot == -1, 1, 0)), 0)
-    if tally < 65536:  # INT4 only
-        k_lo, k_hi = _int4_halves(KCodes, KStat, token, page, valid, fs != -2, kv_head, half, like,
+    if KIND == 4:
+        token = (page * PAGE_SIZE + slot) * NUM_KV_HEADS + kv_head  # rows of the codes
+        mask = valid & (fs == -1)
+        k_lo, k_hi = _int4_halves(KCodes, KStat, token, page, mask, fs == -1, kv_head, half, like,
                                   True, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
-        v_lo, v_hi = _int4_halves(VCodes, VStat, token, page, valid, fs != -2, kv_head, half, like,
+        v_lo, v_hi = _int4_halves(VCodes, VStat, token, page, mask, fs == -1, kv_head, half, like,
                                   False, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
-    elif tally % 65536 == 0:  # FP8 slots only
-        k_lo, k_hi = _fp8_halves(k_base, stride_kp, stride_ks, fs, slot, valid, half, k_scale8, like)
-        v_lo, v_hi = _fp8_halves(v_base, stride_vp, stride_vs, fs, slot, valid, half, v_scale8, like)
-    else:  # both kinds
-        in8 = valid & (fs >= 0)
-        in4 = valid & (fs == -1)
-        k_lo, k_hi = _int4_halves(KCodes, KStat, token, page, in4, fs == -1, kv_head, half, like,
-                                  True, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
-        v_lo, v_hi = _int4_halves(VCodes, VStat, token, page, in4, fs == -1, kv_head, half, like,
-                                  False, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
-        k8_lo, k8_hi = _fp8_halves(k_base, stride_kp, stride_ks, fs, slot, in8, half, k_scale8, like)
-        v8_lo, v8_hi = _fp8_halves(v_base, stride_vp, stride_vs, fs, slot, in8, half, v_scale8, like)
-        k_lo = tl.where(in8, k8_lo, k_lo)
-        k_hi = tl.where(in8, k8_hi, k_hi)
-        v_lo = tl.where(in8, v8_lo, v_lo)
-        v_hi = tl.where(in8, v8_hi, v_hi)
+    else:
+        mask = valid & (fs >= 0)
+        k_lo, k_hi = _fp8_halves(k_base, stride_kp, stride_ks, fs, slot, mask, half, k_scale8, like)
+        v_lo, v_hi = _fp8_halves(v_base, stride_vp, stride_vs, fs, slot, mask, half, v_scale8, like)
     if ALIGNED:
         k_lo = tl.reshape(k_lo, (BLOCK_N, HEAD_DIM // 2))
         k_hi = tl.reshape(k_hi, (BLOCK_N, HEAD_DIM // 2))
         v_lo = tl.reshape(v_lo, (BLOCK_N, HEAD_DIM // 2))
         v_hi = tl.reshape(v_hi, (BLOCK_N, HEAD_DIM // 2))
     return k_lo, k_hi, v_lo, v_hi
+
+
+@triton.jit
+def _decode_tiered_update(
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, key_mask, qk_scale_log2,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax update of (acc_lo, acc_hi [Hb, D/2], m_i, l_i [Hb]) with the keys
+    ``key_mask`` [Nb] of one K/V tile (at least one: every row sees a key, no -inf max)."""
+    s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+    s = tl.dot(q_hi, tl.trans(k_hi), acc=s, input_precision=DOT_PRECISION)
+    s = tl.where(key_mask[None, :], s * qk_scale_log2, float("-inf"))  # [Hb, Nb], log2 domain
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(q_lo.dtype)
+    acc_lo = tl.dot(p, v_lo, acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_hi = tl.dot(p, v_hi, acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc_lo, acc_hi, m_new, l_i
 
 
 @dataclass
@@ -401,8 +435,8 @@ def _decode_tiered_kernel(
     head dim is handled as two halves, channels 2j and 2j+1 (j < D/2): q, the K/V tiles
     and the accumulator are [., D/2] pairs, so INT4 bytes unpack into their two nibbles
     without an interleave (q . k = q_lo . k_lo + q_hi . k_hi; p @ v = [p @ v_lo, p @ v_hi]).
-    K/V tiles come from ``_tiered_kv`` (one branch per tile) in float32, the dots run in
-    q's dtype."""
+    Per tile, one update per kind of page it holds (``_tiered_kv`` KIND 4 / 8, dequantised
+    in float32 and rounded to q's dtype for the dots)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -435,25 +469,30 @@ def _decode_tiered_kernel(
     for n0 in range(start, end, BLOCK_N):
         fslot_next = _tile_slots(FSlot, pages_next, n0 + BLOCK_N, end, BLOCK_N, STEP)
         pages_after = _tile_pages(page_row, n0 + 2 * BLOCK_N, end, BLOCK_N, PAGE_SIZE, STEP)
-        k_lo, k_hi, v_lo, v_hi = _tiered_kv(
-            k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
-            KCodes, KStat, VCodes, VStat, pages, fslot, n0, end, kv_head, k_scale8, v_scale8, q_lo,
-            BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP,
-        )  # fmt: skip
         keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
         valid = keys < end
-        s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
-        s = tl.dot(q_hi, tl.trans(k_hi), acc=s, input_precision=DOT_PRECISION)
-        s = s * qk_scale_log2  # [Hb, Nb], log2 domain
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(q_lo.dtype)
-        acc_lo = tl.dot(p, v_lo, acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
-        acc_hi = tl.dot(p, v_hi, acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        # One branch per kind present (uniform per program): a tile across a boundary between
+        # FP8 and INT4 pages is two updates, one per kind, each with the lean loads.
+        tally = _tile_tally(fslot)
+        kind4, kind8 = _tile_kinds(page_row, FSlot, keys, valid, tally, PAGE_SIZE)
+        if tally % 65536 != 0:  # INT4 keys (the common case: every key of the tile)
+            k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+                k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+                KCodes, KStat, VCodes, VStat, pages, fslot, n0, end, kv_head, k_scale8, v_scale8, q_lo,
+                BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP, 4,
+            )  # fmt: skip
+            acc_lo, acc_hi, m_i, l_i = _decode_tiered_update(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi,
+                                                             v_lo, v_hi, kind4, qk_scale_log2,
+                                                             DOT_PRECISION)  # fmt: skip
+        if tally >= 65536:  # FP8 keys (sink and recent pages)
+            k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+                k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+                KCodes, KStat, VCodes, VStat, pages, fslot, n0, end, kv_head, k_scale8, v_scale8, q_lo,
+                BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP, 8,
+            )  # fmt: skip
+            acc_lo, acc_hi, m_i, l_i = _decode_tiered_update(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi,
+                                                             v_lo, v_hi, kind8, qk_scale_log2,
+                                                             DOT_PRECISION)  # fmt: skip
         pages, fslot, pages_next = pages_next, fslot_next, pages_after
 
     nonempty = l_i > 0.0

@@ -88,8 +88,10 @@ serves one query head, hence one kv head: both scales are scalars).
 
 Tiered pools (int4 / mixed, ``TieredPages``): ``_extend_tiered_kernel``, the same grid and
 key walk (unmasked tiles, then causal diagonal tiles) on head-dim halves, with decode's
-tile helpers (one branch per tile: all INT4, all FP8 or both; key statistics once per
-page; pages and slots loaded ahead; see decode_attention's docstring). Always one pass:
+tile helpers (a branch per kind of page in the tile: INT4 keys, FP8 keys; key statistics
+once per page; pages and slots loaded ahead; see decode_attention's docstring). A row may
+see no key of a kind in a tile (the FP8 sink key beside INT4 keys): it then subtracts 0
+instead of -inf and keeps l = 0. Always one pass:
 the split-KV path does not read INT4 pages (its grid groups the G query heads of a kv
 head, which would need a third tiered kernel); the one-pass grid (H x B x M blocks)
 already fills the GPU for long extends and batches, short extends over a long prefix at
@@ -118,8 +120,10 @@ from radixlm.kernels.decode_attention import (
     _dot_precision,
     _num_sms,
     _tiered_kv,
+    _tile_kinds,
     _tile_pages,
     _tile_slots,
+    _tile_tally,
     _tiled_step,
     _value_group,
 )
@@ -170,9 +174,9 @@ HOPPER_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_s
 HOPPER_PREFILL_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 # Tiered pools (``_extend_tiered_kernel``) on Hopper, every shape: not yet timed on a GPU
 # (bench/kv_speed_gpu.py, EXTEND_VARIANTS). Chosen from ptxas -v of the sm_90a build with
-# triton 3.6 (Llama-3-8B head shape, page 16): 128 x 64 tiles, 8 warps, 2 stages use 255
-# registers and no spills; 128 x 128 / 8 warps / 3 stages spills ~1 KB per thread (as the
-# bf16 kernel's HOPPER_EXTEND_CONFIG does), 64 x 64 / 4 warps ~1 KB.
+# triton 3.6 (bench/ptxas_usage.py; Llama-3-8B head shape, page 16): 128 x 64 tiles, 8
+# warps, 2 stages spill 12 bytes per thread; 128 x 128 / 8 warps / 3 stages 104 bytes (the
+# bf16 kernel's HOPPER_EXTEND_CONFIG: ~1 KB), 64 x 64 / 4 warps 208 bytes.
 HOPPER_TIERED_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
@@ -418,37 +422,68 @@ def _extend_kernel(
 
 
 @triton.jit
-def _attend_tile_tiered(
-    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, pages, fslot, n0, key_end, rows_pos,
-    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
-    KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
-    ALIGNED: tl.constexpr, STEP: tl.constexpr,
+def _attend_kind_tiered(
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, visible, qk_scale_log2,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """``_attend_tile`` (scale mode "fma") over a tiered pool, on head-dim halves (channels
-    2j and 2j+1: q_lo/q_hi [Mb, D/2], acc_lo/acc_hi [Mb, D/2] fp32); the K/V tile comes
-    from decode's ``_tiered_kv`` (one branch per tile: INT4, FP8 or both) given the tile's
-    ``pages``/``fslot`` (``_tile_pages``, ``_tile_slots``)."""
-    k_lo, k_hi, v_lo, v_hi = _tiered_kv(
-        k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
-        KCodes, KStat, VCodes, VStat, pages, fslot, n0, key_end, kv_head, k_scale8, v_scale8, q_lo,
-        BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP,
-    )  # fmt: skip
+    """Online-softmax update ("fma" scale) of (acc_lo, acc_hi [Mb, D/2], m_i, l_i [Mb]) with
+    one kind of keys of a tile, ``visible`` [Mb, Nb] (causal and kind mask). A row may see
+    none of them yet (m_i and the tile's max -inf: the FP8 sink key beside INT4 keys): it
+    subtracts 0 instead of -inf and keeps l_i = 0."""
     s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)  # [Mb, Nb]
     s = tl.dot(q_hi, tl.trans(k_hi), acc=s, input_precision=DOT_PRECISION)
-    if MASKED:
-        keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
-        causal = (keys[None, :] <= rows_pos[:, None]) & (keys < key_end)[None, :]
-        s = tl.where(causal, s, float("-inf"))
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
-    p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * qk_scale_log2 - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(q_lo.dtype)
     acc_lo = tl.dot(p, v_lo, acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
     acc_hi = tl.dot(p, v_hi, acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
     return acc_lo, acc_hi, m_new, l_i
+
+
+@triton.jit
+def _attend_tile_tiered(
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, pages, fslot, n0, key_end,
+    rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+    FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr,
+):  # fmt: skip
+    """``_attend_tile`` over a tiered pool, on head-dim halves (channels 2j and 2j+1:
+    q_lo/q_hi [Mb, D/2], acc_lo/acc_hi [Mb, D/2] fp32), given the tile's ``pages``/``fslot``
+    (``_tile_pages``, ``_tile_slots``). As in decode, one branch per kind of page present,
+    uniform per program: the INT4 keys (decode's ``_tiered_kv`` KIND 4), then the FP8 keys
+    (KIND 8); a tile holding both is two updates."""
+    keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+    valid = keys < key_end
+    tally = _tile_tally(fslot)
+    kind4, kind8 = _tile_kinds(page_row, FSlot, keys, valid, tally, PAGE_SIZE)
+    causal = valid[None, :]
+    if MASKED:
+        causal = (keys[None, :] <= rows_pos[:, None]) & valid[None, :]  # [Mb, Nb]
+    if tally % 65536 != 0:  # INT4 keys
+        k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+            k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+            KCodes, KStat, VCodes, VStat, pages, fslot, n0, key_end, kv_head, k_scale8, v_scale8, q_lo,
+            BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP, 4,
+        )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = _attend_kind_tiered(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi, v_lo,
+                                                       v_hi, causal & kind4[None, :], qk_scale_log2,
+                                                       DOT_PRECISION)  # fmt: skip
+    if tally >= 65536:  # FP8 keys
+        k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+            k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+            KCodes, KStat, VCodes, VStat, pages, fslot, n0, key_end, kv_head, k_scale8, v_scale8, q_lo,
+            BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP, 8,
+        )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = _attend_kind_tiered(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi, v_lo,
+                                                       v_hi, causal & kind8[None, :], qk_scale_log2,
+                                                       DOT_PRECISION)  # fmt: skip
+    return acc_lo, acc_hi, m_i, l_i
 
 
 @triton.jit
@@ -469,9 +504,9 @@ def _tiered_key_loop(
         fslot_next = _tile_slots(FSlot, pages_next, n0 + BLOCK_N, key_end, BLOCK_N, STEP)
         pages_after = _tile_pages(page_row, n0 + 2 * BLOCK_N, key_end, BLOCK_N, PAGE_SIZE, STEP)
         acc_lo, acc_hi, m_i, l_i = _attend_tile_tiered(
-            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, pages, fslot, n0, key_end,
+            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, pages, fslot, n0, key_end,
             rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
-            KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED, DOT_PRECISION, NUM_KV_HEADS, VGROUP, ALIGNED, STEP,
         )  # fmt: skip
         pages, fslot, pages_next = pages_next, fslot_next, pages_after
