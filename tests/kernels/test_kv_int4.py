@@ -177,8 +177,10 @@ def test_decode_tiered_tile_kinds(page_size, block_n, layout) -> None:
 @pytest.mark.parametrize(("page_size", "block_n"), TILINGS)
 @pytest.mark.parametrize("layout", ["mixed", "int4", "fp8"])
 def test_extend_tiered_tile_kinds(page_size, block_n, layout) -> None:
-    """Extend (unmasked prefix tiles and causal diagonal tiles) over the same layouts."""
-    specs = [(0, 19), (60, 15), (383, 17)]
+    """Extend (unmasked prefix tiles and causal diagonal tiles) over the same layouts; the
+    (0, 40) prefill's first rows see only the FP8 sink page of a tile that also holds INT4
+    keys (they see no key in its INT4 update)."""
+    specs = [(0, 19), (60, 15), (383, 17), (0, 40)]
     case, k8, v8, k_scale, v_scale, tiered, (k_dense, v_dense) = _tiered_case(
         specs, 4, 2, 32, page_size, 16, seed=5, layout=layout
     )
