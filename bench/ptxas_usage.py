@@ -15,7 +15,7 @@ Usage (CPU host; ~20-60 s per kernel)::
 
 Kernels and their launch tuples: ``decode`` / ``bf16-decode`` block_n,warps,stages[,page]
 (``_decode_tiered_kernel`` / ``_decode_split_kernel`` on bf16 pages); ``extend`` /
-``bf16-extend`` block_m,block_n,warps,stages (``_extend_tiered_kernel`` / ``_extend_kernel``).
+``bf16-extend`` block_m,block_n,warps,stages[,page] (``_extend_tiered_kernel`` / ``_extend_kernel``).
 Triton other than 3.6 emits PTX newer than its bundled ptxas reads; ``ptxas-blackwell`` is
 used then. The counts are per thread; 255 registers x 128 threads = half an SM's registers.
 """
@@ -85,11 +85,12 @@ def main() -> None:
                 info = usage(decode_mod._decode_split_kernel, bf16, dict(common, QUANT=0, F16_DOT=False),
                              warps, stages)  # fmt: skip
         elif which in ("extend", "bf16-extend"):
-            block_m, block_n, warps, stages = cfg
-            common = dict(GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, PAGE_SIZE=16,
+            block_m, block_n, warps, stages, *rest = cfg
+            page = rest[0] if rest else 16
+            common = dict(GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, PAGE_SIZE=page,
                           DOT_PRECISION="tf32", REVERSE_M=True)  # fmt: skip
             if which == "extend":
-                aligned, step = decode_mod._tiled_step(16, block_n)
+                aligned, step = decode_mod._tiled_step(page, block_n)
                 info = usage(extend_mod._extend_tiered_kernel, POINTERS,
                              dict(common, NUM_KV_HEADS=KV_HEADS, VGROUP=VGROUP, ALIGNED=aligned, STEP=step),
                              warps, stages)  # fmt: skip
