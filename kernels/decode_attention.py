@@ -57,12 +57,34 @@ per key; the dequantisation costs one convert per element, to fp16 by default
 
 Tiered pools (int4 / mixed, ``TieredPages``; docs/ARCHITECTURE.md "Quantised KV cache"):
 the k/v pools are the FP8 slots [F, S, K, D] and each logical page is either in the slot
-``fp8_slot[page]`` or INT4 (KIVI: codes [P, S, K, D/2] uint8, key scale/zero per channel
-of the page, value scale/zero per group of G channels of a token, fp16). ``_tiered_tile``
-loads a tile's slot ids after the page-table lookup, then the FP8 elements and the INT4
-codes + statistics under complementary masks, and returns code * scale + zero or
-fp8 * s, in float32; nothing is folded into the softmax scale. Also used by the extend
-kernel. 0.33 of bf16's bytes per key (page 16, G 64), more instructions per element.
+``fp8_slot[page]`` or INT4 (KIVI, Liu et al. 2024: codes [P, S, K, D/2] uint8, key
+scale/zero per channel of the page, value scale/zero per group of G channels of a token,
+fp16). ``_decode_tiered_kernel`` (same grid, splits and merge as above):
+
+  * Head-dim halves: q, the K/V tiles and the accumulator are pairs of [., D/2] tensors,
+    channels 2j and 2j+1 (q . k = q_lo . k_lo + q_hi . k_hi; p @ v = [p @ v_lo, p @ v_hi]),
+    so a [Nb, D/2] byte tile unpacks into its low and high nibbles (code & 15, code >> 4)
+    with each byte loaded once and no interleave.
+  * Tiles of whole pages (power-of-two S): while loaded, a tile is [NP, SP, D/2] (NP pages
+    of SP = min(S, BLOCK_N) keys), so the key statistics are loaded once per page
+    ([NP, 1, D/2]) and broadcast; the dequantised tile is reshaped to [BLOCK_N, D/2].
+    Other page sizes look every key's page up (statistics per key).
+  * Uniform branches per tile on a scalar count of the tile's FP8 and INT4 pages
+    (``_tile_tally``): if it holds INT4 pages, one online-softmax update over its INT4 keys
+    (codes and statistics loaded only: ``_tiered_kv`` KIND 4); if it holds FP8 pages, one
+    over its FP8 keys (the slots only, times the per-kv-head scale: KIND 8). All-INT4 and
+    all-FP8 tiles (nearly all) take one branch; a tile across a boundary between the kinds
+    takes both, each key masked out of the other (``_tile_kinds``). Only one kind's tiles
+    are live at a time: a single branch holding both kinds' loads had the sm_90 build spill
+    (ptxas -v, bench/ptxas_usage.py).
+  * The page-table entries and FP8 slots of the tiles are loaded ahead (pages two tiles,
+    slots one), so only the K/V loads wait in a tile (page -> slot -> K/V is a chain of
+    dependent loads).
+  * Values are code * scale + zero (or fp8 * scale) in float32, rounded to q's dtype for
+    the dots (fp32 accumulation). Launch parameters: ``TIERED_DECODE_CONFIG``.
+0.30 of bf16's bytes per key (page 16, G 64: K 0.5 + 4/16, V 0.5 + 4/64 bytes per element).
+The extend kernel reads tiered pools with the same helpers (``_tile_pages``,
+``_tile_slots``, ``_tiered_kv``). Not yet timed on a GPU (bench/kv_speed_gpu.py).
 """
 
 from __future__ import annotations
@@ -76,8 +98,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_DECODE_CONFIG", "DecodeConfig", "DecodeWorkspace", "TieredPages", "decode_attention",
-           "decode_num_splits"]
+__all__ = ["FP8_DECODE_CONFIG", "TIERED_DECODE_CONFIG", "DecodeConfig", "DecodeWorkspace", "TieredPages",
+           "decode_attention", "decode_num_splits", "default_decode_config"]
 
 LOG2E = 1.4426950408889634
 
@@ -104,6 +126,17 @@ class DecodeConfig:
 # batch 32, 8 kv heads, D 128 (bench/kv_speed_gpu.py): 32K keys 840 us vs 1186 us with 64-key
 # tiles and 992 us with bf16 dots (bf16 pages: 994 us); 8K keys 223 vs 321 / 258 (263).
 FP8_DECODE_CONFIG = DecodeConfig(block_n=128)
+# Tiered pools (int4 / mixed; ``_decode_tiered_kernel``): a first guess, not yet timed on a
+# GPU; bench/kv_speed_gpu.py times it against the variants it lists (DECODE_VARIANTS).
+TIERED_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+
+
+def default_decode_config(pool_dtype: torch.dtype, tiered: bool = False) -> DecodeConfig:
+    """The launch parameters used when the caller passes none: ``TIERED_DECODE_CONFIG`` for
+    tiered pools, ``FP8_DECODE_CONFIG`` for float8_e4m3fn pools, else ``DecodeConfig()``."""
+    if tiered:
+        return TIERED_DECODE_CONFIG
+    return FP8_DECODE_CONFIG if pool_dtype == torch.float8_e4m3fn else DecodeConfig()
 
 
 class TieredPages(NamedTuple):
@@ -122,34 +155,169 @@ class TieredPages(NamedTuple):
 
 
 @triton.jit
-def _tiered_tile(
-    base8, stride_8p, stride_8s, Codes, Stat, FSlot, page, slot, valid, kv_head, dims, scale8,
-    IS_KEY: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, VGROUP: tl.constexpr,
+def _tile_pages(
+    page_row, n0, key_end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, STEP: tl.constexpr
 ):  # fmt: skip
-    """A [Nb, D] float32 tile of K (IS_KEY) or V of a tiered pool: keys whose page has an
-    FP8 slot are read from it (``base8`` = that pool + the kv head offset) times the FP8
-    scale, the others are INT4 codes of the logical page times its scale plus its zero.
-    ``page`` [Nb] int64 logical pages, ``slot`` [Nb] offsets in the page."""
-    fslot = tl.load(FSlot + page, mask=valid, other=0).to(tl.int64)  # [Nb]
-    in8 = valid & (fslot >= 0)
-    in4 = valid & (fslot < 0)
-    x8 = tl.load(base8 + (fslot * stride_8p + slot * stride_8s)[:, None] + dims[None, :],
-                 mask=in8[:, None], other=0.0)  # fmt: skip
-    token = (page * PAGE_SIZE + slot) * NUM_KV_HEADS + kv_head  # [Nb] row of the codes
-    byte = tl.load(Codes + (token * (HEAD_DIM // 2))[:, None] + (dims // 2)[None, :],
-                   mask=in4[:, None], other=0)  # fmt: skip
-    code = (byte.to(tl.int32) >> ((dims % 2) * 4)[None, :]) & 15
-    if IS_KEY:  # [P, 2, K, D]: per channel of the page
-        st = Stat + ((page * 2 * NUM_KV_HEADS + kv_head) * HEAD_DIM)[:, None] + dims[None, :]
+    """The logical pages of the tile of keys n0 .. n0 + BLOCK_N (n0 a multiple of BLOCK_N)
+    of a tiered pool, one entry per STEP keys, [BLOCK_N // STEP] int64 (``_tiled_step``: one
+    per page of the tile for power-of-two page sizes, else one per key); 0 past key_end."""
+    first = n0 + tl.arange(0, BLOCK_N // STEP) * STEP  # first key of each entry
+    return tl.load(page_row + first // PAGE_SIZE, mask=first < key_end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_slots(FSlot, pages, n0, key_end, BLOCK_N: tl.constexpr, STEP: tl.constexpr):
+    """The FP8 slots of ``_tile_pages``' entries, int64: >= 0 a slot, -1 INT4, -2 past
+    key_end. The kernels load both ahead (pages two tiles, slots one tile): page table ->
+    slot -> K/V is a chain of dependent loads."""
+    first = n0 + tl.arange(0, BLOCK_N // STEP) * STEP
+    return tl.load(FSlot + pages, mask=first < key_end, other=-2).to(tl.int64)
+
+
+@triton.jit
+def _int4_halves(
+    Codes, Stat, token, page, mask, page_mask, kv_head, half, like,
+    IS_KEY: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    VGROUP: tl.constexpr,
+):  # fmt: skip
+    """INT4 K (IS_KEY) or V as two halves, channels 2j (low nibbles) and 2j+1 (high
+    nibbles) for j = ``half`` [1, .., D/2], in ``like``'s dtype; each code byte is loaded
+    once. ``token`` [.., 1] int64 rows of the codes ((page * S + slot) * K + kv head),
+    ``page`` the logical page of each row (or of a block of rows: [NP, 1, 1] beside
+    [NP, S, 1] tokens, then each key statistic is loaded once per page), ``mask`` the rows
+    to read, ``page_mask`` (``page``'s shape) the pages. Value = code * scale + zero, in
+    float32."""
+    byte = tl.load(Codes + token * (HEAD_DIM // 2) + half, mask=mask, other=0)
+    lo = (byte & 15).to(tl.float32)
+    hi = (byte >> 4).to(tl.float32)
+    if IS_KEY:  # [P, 2, K, D]: scale, zero per channel of the page
         zero_off = NUM_KV_HEADS * HEAD_DIM
-    else:  # [P, S, K, 2, D/G]: per group of the token
-        st = Stat + (token * 2 * (HEAD_DIM // VGROUP))[:, None] + (dims // VGROUP)[None, :]
+        st = Stat + (page * 2 * NUM_KV_HEADS + kv_head) * HEAD_DIM + 2 * half
+        s_lo = tl.load(st, mask=page_mask, other=0.0).to(tl.float32)
+        s_hi = tl.load(st + 1, mask=page_mask, other=0.0).to(tl.float32)
+        z_lo = tl.load(st + zero_off, mask=page_mask, other=0.0).to(tl.float32)
+        z_hi = tl.load(st + zero_off + 1, mask=page_mask, other=0.0).to(tl.float32)
+    else:  # [P, S, K, 2, D/G]: scale, zero per group of G channels of the token
         zero_off = HEAD_DIM // VGROUP
-    scale4 = tl.load(st, mask=in4[:, None], other=0.0).to(tl.float32)
-    zero4 = tl.load(st + zero_off, mask=in4[:, None], other=0.0).to(tl.float32)
-    x4 = code.to(tl.float32) * scale4 + zero4
-    return tl.where(in8[:, None], x8.to(tl.float32) * scale8, x4)
+        row = token * 2 * (HEAD_DIM // VGROUP)
+        st_lo = Stat + row + (2 * half) // VGROUP
+        s_lo = tl.load(st_lo, mask=mask, other=0.0).to(tl.float32)
+        z_lo = tl.load(st_lo + zero_off, mask=mask, other=0.0).to(tl.float32)
+        if VGROUP % 2 == 0:  # channels 2j and 2j+1 share a group
+            s_hi = s_lo
+            z_hi = z_lo
+        else:
+            st_hi = Stat + row + (2 * half + 1) // VGROUP
+            s_hi = tl.load(st_hi, mask=mask, other=0.0).to(tl.float32)
+            z_hi = tl.load(st_hi + zero_off, mask=mask, other=0.0).to(tl.float32)
+    return (lo * s_lo + z_lo).to(like.dtype), (hi * s_hi + z_hi).to(like.dtype)
+
+
+@triton.jit
+def _fp8_halves(base8, stride_8p, stride_8s, fslot, slot, mask, half, scale8, like):
+    """FP8-slot K or V times the per-head scale as two halves (channels 2j, 2j+1; j =
+    ``half`` [1, .., D/2]) in ``like``'s dtype. ``base8`` = the slot pool + the kv head
+    offset, ``fslot`` int64 FP8 slots and ``slot`` offsets in the page (broadcastable)."""
+    ptr = base8 + fslot * stride_8p + slot * stride_8s + 2 * half
+    lo = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) * scale8
+    hi = tl.load(ptr + 1, mask=mask, other=0.0).to(tl.float32) * scale8
+    return lo.to(like.dtype), hi.to(like.dtype)
+
+
+@triton.jit
+def _tile_kinds(page_row, FSlot, keys, valid, tally, PAGE_SIZE: tl.constexpr):
+    """Per-key masks [Nb] of a tile's INT4 and FP8 keys (``tally`` from ``_tile_tally``):
+    ``valid`` for both when the tile holds one kind; in a tile across a boundary between the
+    kinds each key's page and slot are looked up (L1/L2 hits: loaded for the tile already)."""
+    kind4 = valid
+    kind8 = valid
+    if tally % 65536 != 0:
+        if tally >= 65536:  # both kinds
+            page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0)
+            fs = tl.load(FSlot + page, mask=valid, other=-2)
+            kind4 = fs == -1
+            kind8 = fs >= 0
+    return kind4, kind8
+
+
+@triton.jit
+def _tile_tally(fslot):
+    """65536 x (FP8 entries) + (INT4 entries) of a tile's ``_tile_slots`` (entries past
+    key_end count for neither): a scalar the kernels branch on, uniformly per program."""
+    return tl.sum(tl.where(fslot >= 0, 65536, tl.where(fslot == -1, 1, 0)), 0)
+
+
+@triton.jit
+def _tiered_kv(
+    k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+    KCodes, KStat, VCodes, VStat, pages, fslot, n0, key_end, kv_head, k_scale8, v_scale8, like,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VGROUP: tl.constexpr, ALIGNED: tl.constexpr, STEP: tl.constexpr,
+    KIND: tl.constexpr,
+):  # fmt: skip
+    """K and V of one kind of keys of the tile n0 .. n0 + BLOCK_N of a tiered pool: KIND 4
+    the INT4 pages' keys (codes and statistics loaded), 8 the FP8 slots' (slots loaded,
+    times the per-kv-head scale); other keys and keys past key_end read as 0. ``pages`` /
+    ``fslot`` from ``_tile_pages`` / ``_tile_slots``. Returns four [BLOCK_N, D/2] tiles in
+    ``like``'s dtype: k_lo, k_hi, v_lo, v_hi (channels 2j and 2j+1).
+
+    ALIGNED (power-of-two page sizes, STEP = min(PAGE_SIZE, BLOCK_N) keys per page of the
+    tile): the tile is [NP, SP, D/2] (NP pages of SP keys) while it is loaded, so each key
+    statistic is loaded once per page ([NP, 1, D/2]) and broadcast over its keys, then
+    reshaped to [BLOCK_N, D/2]; otherwise every key looks its page up."""
+    half = tl.arange(0, HEAD_DIM // 2)
+    if ALIGNED:
+        offs = tl.arange(0, STEP)  # [SP] keys of a page in the tile (SP = STEP)
+        key = n0 + tl.arange(0, BLOCK_N // STEP)[:, None] * STEP + offs[None, :]  # [NP, SP]
+        valid = (key < key_end)[:, :, None]  # [NP, SP, 1]
+        page = pages[:, None, None]  # [NP, 1, 1]
+        slot = (n0 % PAGE_SIZE + offs)[None, :, None]  # [1, SP, 1]
+        fs = fslot[:, None, None]
+        half = half[None, None, :]  # [1, 1, D/2]
+    else:
+        key = n0 + tl.arange(0, BLOCK_N)
+        valid = (key < key_end)[:, None]  # [Nb, 1]
+        page = pages[:, None]
+        slot = (key % PAGE_SIZE)[:, None]
+        fs = fslot[:, None]
+        half = half[None, :]  # [1, D/2]
+    if KIND == 4:
+        token = (page * PAGE_SIZE + slot) * NUM_KV_HEADS + kv_head  # rows of the codes
+        mask = valid & (fs == -1)
+        k_lo, k_hi = _int4_halves(KCodes, KStat, token, page, mask, fs == -1, kv_head, half, like,
+                                  True, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
+        v_lo, v_hi = _int4_halves(VCodes, VStat, token, page, mask, fs == -1, kv_head, half, like,
+                                  False, NUM_KV_HEADS, HEAD_DIM, VGROUP)  # fmt: skip
+    else:
+        mask = valid & (fs >= 0)
+        k_lo, k_hi = _fp8_halves(k_base, stride_kp, stride_ks, fs, slot, mask, half, k_scale8, like)
+        v_lo, v_hi = _fp8_halves(v_base, stride_vp, stride_vs, fs, slot, mask, half, v_scale8, like)
+    if ALIGNED:
+        k_lo = tl.reshape(k_lo, (BLOCK_N, HEAD_DIM // 2))
+        k_hi = tl.reshape(k_hi, (BLOCK_N, HEAD_DIM // 2))
+        v_lo = tl.reshape(v_lo, (BLOCK_N, HEAD_DIM // 2))
+        v_hi = tl.reshape(v_hi, (BLOCK_N, HEAD_DIM // 2))
+    return k_lo, k_hi, v_lo, v_hi
+
+
+@triton.jit
+def _decode_tiered_update(
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, key_mask, qk_scale_log2,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax update of (acc_lo, acc_hi [Hb, D/2], m_i, l_i [Hb]) with the keys
+    ``key_mask`` [Nb] of one K/V tile (at least one: every row sees a key, no -inf max)."""
+    s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+    s = tl.dot(q_hi, tl.trans(k_hi), acc=s, input_precision=DOT_PRECISION)
+    s = tl.where(key_mask[None, :], s * qk_scale_log2, float("-inf"))  # [Hb, Nb], log2 domain
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(q_lo.dtype)
+    acc_lo = tl.dot(p, v_lo, acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_hi = tl.dot(p, v_hi, acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc_lo, acc_hi, m_new, l_i
 
 
 @dataclass
@@ -176,7 +344,6 @@ class DecodeWorkspace:
 @triton.jit
 def _decode_split_kernel(
     Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale,
-    FSlot, KCodes, KStat, VCodes, VStat,
     qk_scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -184,16 +351,12 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if QUANT == 1:  # FP8 pages: the K scale joins the softmax scale, V's scales the output
         qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
-    if QUANT == 2:  # tiered: FP8 slots and INT4 pages, dequantised per tile
-        k_scale8 = tl.load(KScale + kv_head)
-        v_scale8 = tl.load(VScale + kv_head)
     seq_len = tl.load(SeqLens + b)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -224,12 +387,7 @@ def _decode_split_kernel(
         slot = keys % PAGE_SIZE
         k_off = page * stride_kp + slot * stride_ks  # [Nb]
         v_off = page * stride_vp + slot * stride_vs
-        if QUANT == 2:
-            k = _tiered_tile(k_base, stride_kp, stride_ks, KCodes, KStat, FSlot, page, slot, valid,
-                             kv_head, dims, k_scale8, True, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                             VGROUP).to(q.dtype)  # fmt: skip
-        else:
-            k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT == 1:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Hb, Nb]
@@ -239,12 +397,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
         l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT == 2:
-            v = _tiered_tile(v_base, stride_vp, stride_vs, VCodes, VStat, FSlot, page, slot, valid,
-                             kv_head, dims, v_scale8, False, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                             VGROUP).to(q.dtype)  # fmt: skip
-        else:
-            v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT == 1:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -262,6 +415,101 @@ def _decode_split_kernel(
         row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [Hb]
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(PartOut + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
+        tl.store(PartLse + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_tiered_kernel(
+    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale,
+    FSlot, KCodes, KStat, VCodes, VStat,
+    qk_scale_log2, num_splits,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    stride_ptb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr,
+):  # fmt: skip
+    """``_decode_split_kernel`` over a tiered pool (same grid, outputs and splits). The
+    head dim is handled as two halves, channels 2j and 2j+1 (j < D/2): q, the K/V tiles
+    and the accumulator are [., D/2] pairs, so INT4 bytes unpack into their two nibbles
+    without an interleave (q . k = q_lo . k_lo + q_hi . k_hi; p @ v = [p @ v_lo, p @ v_hi]).
+    Per tile, one update per kind of page it holds (``_tiered_kv`` KIND 4 / 8, dequantised
+    in float32 and rounded to q's dtype for the dots)."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    k_scale8 = tl.load(KScale + kv_head)
+    v_scale8 = tl.load(VScale + kv_head)
+    seq_len = tl.load(SeqLens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)  # [Hb] query heads of this kv head (padded)
+    half = tl.arange(0, HEAD_DIM // 2)  # [D/2]
+    heads = kv_head * GROUP + rows
+    head_mask = rows < GROUP
+    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + 2 * half[None, :]
+    q_lo = tl.load(q_ptr, mask=head_mask[:, None], other=0.0)  # [Hb, D/2] channels 2j
+    q_hi = tl.load(q_ptr + 1, mask=head_mask[:, None], other=0.0)  # channels 2j+1
+    page_row = PageTable + b * stride_ptb
+    k_base = KPool + kv_head * stride_kk
+    v_base = VPool + kv_head * stride_vk
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_H, HEAD_DIM // 2], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_H, HEAD_DIM // 2], dtype=tl.float32)
+    # The tiles' pages and FP8 slots are loaded ahead: pages two tiles, slots one tile.
+    pages = _tile_pages(page_row, start, end, BLOCK_N, PAGE_SIZE, STEP)
+    fslot = _tile_slots(FSlot, pages, start, end, BLOCK_N, STEP)
+    pages_next = _tile_pages(page_row, start + BLOCK_N, end, BLOCK_N, PAGE_SIZE, STEP)
+    for n0 in range(start, end, BLOCK_N):
+        fslot_next = _tile_slots(FSlot, pages_next, n0 + BLOCK_N, end, BLOCK_N, STEP)
+        pages_after = _tile_pages(page_row, n0 + 2 * BLOCK_N, end, BLOCK_N, PAGE_SIZE, STEP)
+        keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+        valid = keys < end
+        # One branch per kind present (uniform per program): a tile across a boundary between
+        # FP8 and INT4 pages is two updates, one per kind, each with the lean loads.
+        tally = _tile_tally(fslot)
+        kind4, kind8 = _tile_kinds(page_row, FSlot, keys, valid, tally, PAGE_SIZE)
+        if tally % 65536 != 0:  # INT4 keys (the common case: every key of the tile)
+            k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+                k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+                KCodes, KStat, VCodes, VStat, pages, fslot, n0, end, kv_head, k_scale8, v_scale8, q_lo,
+                BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP, 4,
+            )  # fmt: skip
+            acc_lo, acc_hi, m_i, l_i = _decode_tiered_update(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi,
+                                                             v_lo, v_hi, kind4, qk_scale_log2,
+                                                             DOT_PRECISION)  # fmt: skip
+        if tally >= 65536:  # FP8 keys (sink and recent pages)
+            k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+                k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+                KCodes, KStat, VCodes, VStat, pages, fslot, n0, end, kv_head, k_scale8, v_scale8, q_lo,
+                BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP, 8,
+            )  # fmt: skip
+            acc_lo, acc_hi, m_i, l_i = _decode_tiered_update(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi,
+                                                             v_lo, v_hi, kind8, qk_scale_log2,
+                                                             DOT_PRECISION)  # fmt: skip
+        pages, fslot, pages_next = pages_next, fslot_next, pages_after
+
+    nonempty = l_i > 0.0
+    inv_l = 1.0 / tl.where(nonempty, l_i, 1.0)
+    out_lo = acc_lo * inv_l[:, None]
+    out_hi = acc_hi * inv_l[:, None]
+    if DIRECT:
+        o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + 2 * half[None, :]
+        tl.store(o_ptr, out_lo.to(Out.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(o_ptr + 1, out_hi.to(Out.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        # PartOut [B, H, N, D] and PartLse [B, H, N], contiguous.
+        row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [Hb]
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        part_ptr = PartOut + row[:, None] * HEAD_DIM + 2 * half[None, :]
+        tl.store(part_ptr, out_lo, mask=head_mask[:, None])
+        tl.store(part_ptr + 1, out_hi, mask=head_mask[:, None])
         tl.store(PartLse + row, lse, mask=head_mask)
 
 
@@ -376,18 +624,20 @@ def decode_attention(
         workspace: optional scratch for N > 1, exactly ``DecodeWorkspace.allocate(B, H, N, D)``
             (allocated per call when omitted).
         config: launch parameters (block size, warps, stages, split heuristic); default
-            ``DecodeConfig()``, ``FP8_DECODE_CONFIG`` for FP8 pools.
+            ``default_decode_config`` (``DecodeConfig()``, ``FP8_DECODE_CONFIG`` for FP8
+            pools, ``TIERED_DECODE_CONFIG`` with ``tiered``; block_n >= 16 there).
         k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
             float8_e4m3fn pools (value = stored * scale).
         tiered: int4 / mixed pools: the INT4 pages and the page -> FP8 slot map
             (``TieredPages``); ``k_pool``/``v_pool`` are then the [F, S, K, D] FP8 slots
             and the page table holds logical pages. Each key is read from its page's FP8
-            slot or dequantised from INT4 in registers.
+            slot or dequantised from INT4 in registers (``_decode_tiered_kernel``; D >= 32).
     """
     _check_inputs(q, k_pool, v_pool, page_table, seq_lens)
     _check_scales(k_pool, k_scale, v_scale)
     _check_tiered(k_pool, tiered)
-    config = config or (FP8_DECODE_CONFIG if k_scale is not None and tiered is None else DecodeConfig())
+    config = config or default_decode_config(k_pool.dtype, tiered is not None)
+    assert tiered is None or config.block_n >= 16, config  # the tiered dots need >= 16 keys
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     if num_splits is None:
@@ -417,6 +667,7 @@ def _check_tiered(k_pool: torch.Tensor, tiered: TieredPages | None) -> None:
         return
     _, page_size, num_kv_heads, head_dim = k_pool.shape
     assert k_pool.dtype == torch.float8_e4m3fn, k_pool.dtype
+    assert head_dim >= 32, head_dim  # the kernels' dots run on halves of the head dim
     num_pages = tiered.fp8_slot.shape[0]
     assert tiered.fp8_slot.dtype == torch.int32, tiered.fp8_slot.dtype
     for codes in (tiered.k_codes, tiered.v_codes):
@@ -430,11 +681,16 @@ def _check_tiered(k_pool: torch.Tensor, tiered: TieredPages | None) -> None:
         assert stat.dtype == torch.float16 and stat.is_contiguous()
 
 
-def _tiered_args(tiered: TieredPages | None, dummy: torch.Tensor, head_dim: int) -> tuple[list, int]:
-    """Kernel arguments (fp8_slot, k_codes, k_stat, v_codes, v_stat) and the value group."""
-    if tiered is None:
-        return [dummy] * 5, head_dim
-    return list(tiered), head_dim // tiered.v_stat.shape[-1]
+def _tiled_step(page_size: int, block_n: int) -> tuple[bool, int]:
+    """(ALIGNED, STEP) of the tiered kernels: power-of-two page sizes tile by page (STEP =
+    min(page_size, block_n) keys per page of a tile); others look every key's page up."""
+    aligned = page_size & (page_size - 1) == 0
+    return aligned, min(page_size, block_n) if aligned else 1
+
+
+def _value_group(tiered: TieredPages, head_dim: int) -> int:
+    """Channels per value statistic group G (``v_stat`` holds D / G groups)."""
+    return head_dim // tiered.v_stat.shape[-1]
 
 
 def _check_scales(
@@ -470,23 +726,33 @@ def _launch(
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     group = num_heads // num_kv_heads
     direct = num_splits == 1
-    tiered_args, vgroup = _tiered_args(tiered, seq_lens, head_dim)
-    split = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse,
-        seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,
-        *tiered_args,
-        scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        page_table.stride(0), out.stride(0), out.stride(1),
+    grid = (batch, num_kv_heads, num_splits)
+    scales = (seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale)
+    strides = (q.stride(0), q.stride(1),
+               k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+               v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+               page_table.stride(0), out.stride(0), out.stride(1))  # fmt: skip
+    common = dict(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        QUANT=0 if k_scale is None else (2 if tiered is not None else 1),
-        F16_DOT=k_scale is not None and tiered is None and config.fp8_compute == "fp16" and q.dtype != torch.float32,
-        NUM_KV_HEADS=num_kv_heads, VGROUP=vgroup,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    if tiered is not None:
+        aligned, step = _tiled_step(page_size, config.block_n)
+        split = _decode_tiered_kernel[grid](
+            q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales, *tiered,
+            scale * LOG2E, num_splits, *strides,
+            NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim),
+            ALIGNED=aligned, STEP=step, **common,
+        )  # fmt: skip
+    else:
+        split = _decode_split_kernel[grid](
+            q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales,
+            scale * LOG2E, num_splits, *strides,
+            QUANT=int(k_scale is not None),
+            F16_DOT=k_scale is not None and config.fp8_compute == "fp16" and q.dtype != torch.float32,
+            **common,
+        )  # fmt: skip
     merge = None
     if not direct:
         merge = _decode_merge_kernel[(batch, num_heads)](

@@ -85,6 +85,20 @@ FP8 pools (float8_e4m3fn pages, per-kv-head float32 ``k_scale``/``v_scale`` [K])
 the decode kernel, K/V tiles are converted to q's dtype in registers, the K scale is
 folded into the softmax scale and the V scale multiplies the output once (a program
 serves one query head, hence one kv head: both scales are scalars).
+
+Tiered pools (int4 / mixed, ``TieredPages``): ``_extend_tiered_kernel``, the same grid and
+key walk (unmasked tiles, then causal diagonal tiles) on head-dim halves, with decode's
+tile helpers (a branch per kind of page in the tile: INT4 keys, FP8 keys; key statistics
+once per page; pages and slots loaded ahead; see decode_attention's docstring). A row may
+see no key of a kind in a tile (the FP8 sink key beside INT4 keys): it then subtracts 0
+instead of -inf and keeps l = 0. Always one pass:
+the split-KV path does not read INT4 pages (its grid groups the G query heads of a kv
+head, which would need a third tiered kernel); the one-pass grid (H x B x M blocks)
+already fills the GPU for long extends and batches, short extends over a long prefix at
+small batch get fewer programs than SMs. Each query head dequantises its K/V tiles itself
+(the G heads of a kv head run side by side, the bytes come from L2). Launch parameters on
+Hopper: ``HOPPER_TIERED_EXTEND_CONFIG``. Not yet timed on a GPU (bench/kv_speed_gpu.py,
+EXTEND_VARIANTS).
 """
 
 from __future__ import annotations
@@ -105,8 +119,13 @@ from radixlm.kernels.decode_attention import (
     _decode_merge_kernel,
     _dot_precision,
     _num_sms,
-    _tiered_args,
-    _tiered_tile,
+    _tiered_kv,
+    _tile_kinds,
+    _tile_pages,
+    _tile_slots,
+    _tile_tally,
+    _tiled_step,
+    _value_group,
 )
 
 __all__ = [
@@ -153,6 +172,12 @@ class ExtendConfig:
 #    128 x 128 tiles (one 161 KB program per SM).
 HOPPER_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 HOPPER_PREFILL_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+# Tiered pools (``_extend_tiered_kernel``) on Hopper, every shape: not yet timed on a GPU
+# (bench/kv_speed_gpu.py, EXTEND_VARIANTS). Chosen from ptxas -v of the sm_90a build with
+# triton 3.6 (bench/ptxas_usage.py; Llama-3-8B head shape, page 16): 128 x 64 tiles, 8
+# warps, 2 stages spill 12 bytes per thread; 128 x 128 / 8 warps / 3 stages 104 bytes (the
+# bf16 kernel's HOPPER_EXTEND_CONFIG: ~1 KB), 64 x 64 / 4 warps 208 bytes.
+HOPPER_TIERED_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
 @dataclass(frozen=True)
@@ -186,18 +211,24 @@ def _is_hopper_or_newer(device: torch.device) -> bool:
 
 
 def default_extend_config(
-    device: torch.device, max_extend_len: int | None = None, max_seq_len: int | None = None
+    device: torch.device,
+    max_extend_len: int | None = None,
+    max_seq_len: int | None = None,
+    tiered: bool = False,
 ) -> ExtendConfig:
     """The launch parameters used when the caller passes none.
 
     Below compute capability 9.0: ``ExtendConfig()`` (fits ~100 KB of shared memory). On
-    Hopper and newer, by shape bucket (host-side bounds; no device sync):
-    ``HOPPER_EXTEND_CONFIG`` when the keys per request (bound ``max_seq_len``) are at least
-    twice the new tokens (``max_extend_len`` >= 128), i.e. the cached prefix is at least as
-    long as the extend; ``HOPPER_PREFILL_CONFIG`` otherwise (plain or short-prefix prefill,
-    and extends under 128 tokens). With no bounds given: ``HOPPER_EXTEND_CONFIG``."""
+    Hopper and newer: ``HOPPER_TIERED_EXTEND_CONFIG`` for tiered pools (``tiered``), else by
+    shape bucket (host-side bounds; no device sync): ``HOPPER_EXTEND_CONFIG`` when the keys
+    per request (bound ``max_seq_len``) are at least twice the new tokens
+    (``max_extend_len`` >= 128), i.e. the cached prefix is at least as long as the extend;
+    ``HOPPER_PREFILL_CONFIG`` otherwise (plain or short-prefix prefill, and extends under
+    128 tokens). With no bounds given: ``HOPPER_EXTEND_CONFIG``."""
     if not _is_hopper_or_newer(device):
         return ExtendConfig()
+    if tiered:
+        return HOPPER_TIERED_EXTEND_CONFIG
     if max_extend_len is None or max_seq_len is None:
         return HOPPER_EXTEND_CONFIG
     if max_extend_len >= 128 and max_seq_len >= 2 * max_extend_len:
@@ -256,10 +287,9 @@ def extend_num_splits(
 def _attend_tile(
     acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-    FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     SCALE_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, NO_LOOKUP: tl.constexpr,
-    QUANT: tl.constexpr, SAFE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    QUANT: tl.constexpr, SAFE: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i).
 
@@ -282,17 +312,11 @@ def _attend_tile(
     slot = keys % PAGE_SIZE
     k_ptr = k_base + (page * stride_kp + slot * stride_ks)[:, None] + dims[None, :]
     v_ptr = v_base + (page * stride_vp + slot * stride_vs)[:, None] + dims[None, :]
-    if not MASKED:
-        valid = keys >= 0  # every key of the tile (tiered reads take a mask)
-    if QUANT == 2:  # tiered: the page's FP8 slot or its INT4 codes, dequantised here
-        k = _tiered_tile(k_base, stride_kp, stride_ks, KCodes, KStat, FSlot, page, slot, valid,
-                         kv_head, dims, k_scale8, True, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                         VGROUP).to(q.dtype)  # fmt: skip
-    elif MASKED:
+    if MASKED:
         k = tl.load(k_ptr, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_ptr)
-    if QUANT == 1:  # FP8 page -> q's dtype; the scale is in qk_scale_log2
+    if QUANT:  # FP8 page -> q's dtype; the scale is in qk_scale_log2
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [Mb, Nb]
     if SCALE_MODE == 0:
@@ -313,15 +337,11 @@ def _attend_tile(
         p = tl.exp2(s - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if QUANT == 2:
-        v = _tiered_tile(v_base, stride_vp, stride_vs, VCodes, VStat, FSlot, page, slot, valid,
-                         kv_head, dims, v_scale8, False, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                         VGROUP).to(q.dtype)  # fmt: skip
-    elif MASKED:
+    if MASKED:
         v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptr)
-    if QUANT == 1:
+    if QUANT:
         v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -330,7 +350,6 @@ def _attend_tile(
 @triton.jit
 def _extend_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale,
-    FSlot, KCodes, KStat, VCodes, VStat,
     qk_scale_log2,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -338,7 +357,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     REVERSE_M: tl.constexpr, SCALE_MODE: tl.constexpr, WARP_SPEC: tl.constexpr,
-    PROBE: tl.constexpr, QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    PROBE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -353,13 +372,8 @@ def _extend_kernel(
         return
     prefix_len = tl.load(PrefixLens + b)
     kv_head = head // GROUP
-    if QUANT == 1:  # FP8 pages: the K scale joins the softmax scale
+    if QUANT:  # FP8 pages: the K scale joins the softmax scale
         qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
-    k_scale8 = 1.0
-    v_scale8 = 1.0
-    if QUANT == 2:  # tiered pools: FP8 slots are dequantised per tile, with INT4 pages
-        k_scale8 = tl.load(KScale + kv_head)
-        v_scale8 = tl.load(VScale + kv_head)
 
     rows = m0 + tl.arange(0, BLOCK_M)  # [Mb] query index within the request
     dims = tl.arange(0, HEAD_DIM)
@@ -389,25 +403,183 @@ def _extend_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT, False,
-            NUM_KV_HEADS, VGROUP,
         )  # fmt: skip
     # Diagonal tiles, masked (PROBE 1, a measurement probe with a wrong result: unmasked).
     for n0 in range(full_end, key_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
-            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
-            False, NUM_KV_HEADS, VGROUP,
+            False,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
-    if QUANT == 1:
+    if QUANT:
         out = out * tl.load(VScale + kv_head)
     o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + dims[None, :], out.to(Out.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _attend_kind_tiered(
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, visible, qk_scale_log2,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax update ("fma" scale) of (acc_lo, acc_hi [Mb, D/2], m_i, l_i [Mb]) with
+    one kind of keys of a tile, ``visible`` [Mb, Nb] (causal and kind mask). A row may see
+    none of them yet (m_i and the tile's max -inf: the FP8 sink key beside INT4 keys): it
+    subtracts 0 instead of -inf and keeps l_i = 0."""
+    s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)  # [Mb, Nb]
+    s = tl.dot(q_hi, tl.trans(k_hi), acc=s, input_precision=DOT_PRECISION)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * qk_scale_log2 - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(q_lo.dtype)
+    acc_lo = tl.dot(p, v_lo, acc=acc_lo * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_hi = tl.dot(p, v_hi, acc=acc_hi * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc_lo, acc_hi, m_new, l_i
+
+
+@triton.jit
+def _attend_tile_tiered(
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, pages, fslot, n0, key_end,
+    rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+    FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr,
+):  # fmt: skip
+    """``_attend_tile`` over a tiered pool, on head-dim halves (channels 2j and 2j+1:
+    q_lo/q_hi [Mb, D/2], acc_lo/acc_hi [Mb, D/2] fp32), given the tile's ``pages``/``fslot``
+    (``_tile_pages``, ``_tile_slots``). As in decode, one branch per kind of page present,
+    uniform per program: the INT4 keys (decode's ``_tiered_kv`` KIND 4), then the FP8 keys
+    (KIND 8); a tile holding both is two updates."""
+    keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+    valid = keys < key_end
+    tally = _tile_tally(fslot)
+    kind4, kind8 = _tile_kinds(page_row, FSlot, keys, valid, tally, PAGE_SIZE)
+    causal = valid[None, :]
+    if MASKED:
+        causal = (keys[None, :] <= rows_pos[:, None]) & valid[None, :]  # [Mb, Nb]
+    if tally % 65536 != 0:  # INT4 keys
+        k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+            k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+            KCodes, KStat, VCodes, VStat, pages, fslot, n0, key_end, kv_head, k_scale8, v_scale8, q_lo,
+            BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP, 4,
+        )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = _attend_kind_tiered(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi, v_lo,
+                                                       v_hi, causal & kind4[None, :], qk_scale_log2,
+                                                       DOT_PRECISION)  # fmt: skip
+    if tally >= 65536:  # FP8 keys
+        k_lo, k_hi, v_lo, v_hi = _tiered_kv(
+            k_base, v_base, stride_kp, stride_ks, stride_vp, stride_vs,
+            KCodes, KStat, VCodes, VStat, pages, fslot, n0, key_end, kv_head, k_scale8, v_scale8, q_lo,
+            BLOCK_N, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, VGROUP, ALIGNED, STEP, 8,
+        )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = _attend_kind_tiered(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_lo, k_hi, v_lo,
+                                                       v_hi, causal & kind8[None, :], qk_scale_log2,
+                                                       DOT_PRECISION)  # fmt: skip
+    return acc_lo, acc_hi, m_i, l_i
+
+
+@triton.jit
+def _tiered_key_loop(
+    acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, first, last, key_end,
+    rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+    FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr,
+):  # fmt: skip
+    """Tiles first, first + BLOCK_N, .. < last (keys < key_end read) through
+    ``_attend_tile_tiered``, with the pages loaded two tiles ahead and the slots one."""
+    pages = _tile_pages(page_row, first, key_end, BLOCK_N, PAGE_SIZE, STEP)
+    fslot = _tile_slots(FSlot, pages, first, key_end, BLOCK_N, STEP)
+    pages_next = _tile_pages(page_row, first + BLOCK_N, key_end, BLOCK_N, PAGE_SIZE, STEP)
+    for n0 in range(first, last, BLOCK_N):
+        fslot_next = _tile_slots(FSlot, pages_next, n0 + BLOCK_N, key_end, BLOCK_N, STEP)
+        pages_after = _tile_pages(page_row, n0 + 2 * BLOCK_N, key_end, BLOCK_N, PAGE_SIZE, STEP)
+        acc_lo, acc_hi, m_i, l_i = _attend_tile_tiered(
+            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, pages, fslot, n0, key_end,
+            rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+            FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED, DOT_PRECISION, NUM_KV_HEADS, VGROUP, ALIGNED, STEP,
+        )  # fmt: skip
+        pages, fslot, pages_next = pages_next, fslot_next, pages_after
+    return acc_lo, acc_hi, m_i, l_i
+
+
+@triton.jit
+def _extend_tiered_kernel(
+    Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale,
+    FSlot, KCodes, KStat, VCodes, VStat,
+    qk_scale_log2,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    stride_ptb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    REVERSE_M: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr,
+):  # fmt: skip
+    """``_extend_kernel`` (same grid and key walk) over a tiered pool: K/V tiles from
+    ``_tiered_kv``, the head dim as two halves (channels 2j, 2j+1) as in decode's
+    ``_decode_tiered_kernel``; float32 K/V rounded to q's dtype for the dots."""
+    head = tl.program_id(0)
+    b = tl.program_id(1)
+    if REVERSE_M:
+        m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # longest blocks first
+    else:
+        m_block = tl.program_id(2)
+    row0 = tl.load(CuExtend + b)
+    extend_len = tl.load(CuExtend + b + 1) - row0
+    m0 = m_block * BLOCK_M
+    if m0 >= extend_len:
+        return
+    prefix_len = tl.load(PrefixLens + b)
+    kv_head = head // GROUP
+    k_scale8 = tl.load(KScale + kv_head)
+    v_scale8 = tl.load(VScale + kv_head)
+
+    rows = m0 + tl.arange(0, BLOCK_M)  # [Mb] query index within the request
+    half = tl.arange(0, HEAD_DIM // 2)
+    row_mask = rows < extend_len
+    q_ptr = Q + (row0 + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + 2 * half[None, :]
+    q_lo = tl.load(q_ptr, mask=row_mask[:, None], other=0.0)  # [Mb, D/2] channels 2j
+    q_hi = tl.load(q_ptr + 1, mask=row_mask[:, None], other=0.0)  # channels 2j+1
+    rows_pos = prefix_len + rows  # [Mb] absolute position = last key each row sees
+    page_row = PageTable + b * stride_ptb
+    k_base = KPool + kv_head * stride_kk
+    v_base = VPool + kv_head * stride_vk
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HEAD_DIM // 2], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HEAD_DIM // 2], dtype=tl.float32)
+    # Keys [0, prefix_len + m0] are visible to every row: whole tiles of them need no mask.
+    full_end = (prefix_len + m0 + 1) // BLOCK_N * BLOCK_N
+    key_end = prefix_len + tl.minimum(m0 + BLOCK_M, extend_len)
+    acc_lo, acc_hi, m_i, l_i = _tiered_key_loop(
+        acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, 0, full_end, key_end,
+        rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+        FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, DOT_PRECISION, NUM_KV_HEADS, VGROUP, ALIGNED, STEP,
+    )  # fmt: skip
+    acc_lo, acc_hi, m_i, l_i = _tiered_key_loop(  # diagonal tiles: causal mask
+        acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, page_row, full_end, key_end, key_end,
+        rows_pos, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2,
+        FSlot, KCodes, KStat, VCodes, VStat, kv_head, k_scale8, v_scale8,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, DOT_PRECISION, NUM_KV_HEADS, VGROUP, ALIGNED, STEP,
+    )  # fmt: skip
+
+    inv_l = 1.0 / l_i  # every row sees key 0, so l_i > 0
+    o_ptr = Out + (row0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + 2 * half[None, :]
+    tl.store(o_ptr, (acc_lo * inv_l[:, None]).to(Out.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(o_ptr + 1, (acc_hi * inv_l[:, None]).to(Out.dtype.element_ty), mask=row_mask[:, None])
 
 
 # One binary for every N and page-table width (warm_up_split_path compiles it once).
@@ -466,16 +638,14 @@ def _extend_split_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
-            PageTable, PageTable, PageTable, PageTable, PageTable, kv_head, 1.0, 1.0,  # no tiered
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False, 1, 1,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False,
         )  # fmt: skip
     # Diagonal tiles (and the split's partial last tile): causal mask; a row may see none.
     for n0 in range(tl.maximum(start, full_end), end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
-            PageTable, PageTable, PageTable, PageTable, PageTable, kv_head, 1.0, 1.0,  # no tiered
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True, 1, 1,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True,
         )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -548,18 +718,19 @@ def extend_attention(
         max_extend_len: host int >= every extend length (sizes the grid; no device sync).
         out: optional [T, H, D] output buffer (q's dtype, last dim contiguous).
         config: launch parameters (block sizes, warps, stages); default
-            ``default_extend_config(q.device, max_extend_len, Pmax * S)``.
+            ``default_extend_config(q.device, max_extend_len, Pmax * S, tiered is not None)``.
         k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
             float8_e4m3fn pools (value = stored * scale).
         num_splits: key splits N of the split-KV path; 1 = the long-extend kernel; default
-            ``extend_num_splits`` on the bounds ``max_extend_len`` and Pmax * S (always 1
-            with ``tiered``: the split path does not read INT4 pages).
+            ``extend_num_splits`` on the bounds ``max_extend_len`` and Pmax * S (ignored,
+            i.e. 1, with ``tiered``: the split path does not read INT4 pages).
         workspace: optional scratch for N > 1, exactly
             ``DecodeWorkspace.allocate(T, H, N, D)`` (allocated per call when omitted).
         split_config: launch parameters of the split-KV path; default
             ``default_split_config(q.device)``.
         tiered: int4 / mixed pools (``decode_attention.TieredPages``): ``k_pool``/``v_pool``
-            are the FP8 slots, pages without one are read as INT4.
+            are the FP8 slots, pages without one are read as INT4 (``_extend_tiered_kernel``;
+            D >= 32, ``config.block_n`` >= 16).
     """
     _check_inputs(q, k_pool, v_pool, page_table, cu_extend, prefix_lens)
     _check_scales(k_pool, k_scale, v_scale)
@@ -573,7 +744,7 @@ def extend_attention(
                                        max_extend_len, max_seq_len, q.device, split_config)  # fmt: skip
     assert num_splits >= 1, num_splits
     if config is None:
-        config = default_extend_config(q.device, max_extend_len, max_seq_len)
+        config = default_extend_config(q.device, max_extend_len, max_seq_len, tiered is not None)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
@@ -622,26 +793,31 @@ def _launch(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[2]
     grid = (num_heads, page_table.shape[0], triton.cdiv(max_extend_len, config.block_m))
-    tiered_args, vgroup = _tiered_args(tiered, prefix_lens, head_dim)
-    return _extend_kernel[grid](
-        q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out,
-        prefix_lens if k_scale is None else k_scale, prefix_lens if v_scale is None else v_scale,
-        *tiered_args,
-        scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        page_table.stride(0), out.stride(0), out.stride(1),
+    scales = (prefix_lens if k_scale is None else k_scale, prefix_lens if v_scale is None else v_scale)
+    strides = (q.stride(0), q.stride(1),
+               k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+               v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+               page_table.stride(0), out.stride(0), out.stride(1))  # fmt: skip
+    common = dict(
         GROUP=num_heads // num_kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        REVERSE_M=config.reverse_m, SCALE_MODE=_SCALE_MODES[config.scale_mode],
-        WARP_SPEC=config.warp_specialize, PROBE=probe,
-        QUANT=0 if k_scale is None else (2 if tiered is not None else 1),
-        NUM_KV_HEADS=num_kv_heads, VGROUP=vgroup,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1], DOT_PRECISION=_dot_precision(q.dtype),
+        REVERSE_M=config.reverse_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-
+    if tiered is not None:  # probes and scale modes are for the bf16 / FP8 kernel only
+        assert probe == 0, probe
+        aligned, step = _tiled_step(k_pool.shape[1], config.block_n)
+        return _extend_tiered_kernel[grid](
+            q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales, *tiered,
+            scale * LOG2E, *strides,
+            NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim),
+            ALIGNED=aligned, STEP=step, **common,
+        )  # fmt: skip
+    return _extend_kernel[grid](
+        q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales,
+        scale * LOG2E, *strides,
+        SCALE_MODE=_SCALE_MODES[config.scale_mode], WARP_SPEC=config.warp_specialize, PROBE=probe,
+        QUANT=int(k_scale is not None), **common,
+    )  # fmt: skip
 
 def _launch_split(
     q: torch.Tensor,

@@ -117,6 +117,8 @@ def test_default_extend_config_buckets(monkeypatch) -> None:
     assert default_extend_config(dev, 2048, 4096) == HOPPER_EXTEND_CONFIG  # prefix >= new
     assert default_extend_config(dev, 128, 8320) == HOPPER_EXTEND_CONFIG
     assert default_extend_config(dev, 64, 8256) == HOPPER_PREFILL_CONFIG  # short extend
+    for bounds in ((2048, 2048), (128, 8320)):  # tiered pools: one config for every shape
+        assert default_extend_config(dev, *bounds, tiered=True) == extend_mod.HOPPER_TIERED_EXTEND_CONFIG
 
 
 def _attention_seeing(case, visible) -> torch.Tensor:
