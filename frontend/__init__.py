@@ -2,7 +2,8 @@
 
 See ``api`` for the language, ``interpreter`` for how programs run, ``choices`` for how
 ``select`` scores options, and the backends ``runtime_endpoint`` (radixlm's native API;
-``Runtime`` starts a server), ``openai_backend`` (OpenAI-compatible APIs).
+``Runtime`` starts a server), ``engine`` (``Engine``: the runtime in this process, no
+HTTP; imports torch when created), ``openai_backend`` (OpenAI-compatible APIs).
 """
 
 from radixlm.frontend.api import (
@@ -26,6 +27,7 @@ from radixlm.frontend.api import (
 from radixlm.frontend.backend import Backend
 from radixlm.frontend.chat_template import ChatTemplate
 from radixlm.frontend.choices import sum_logprob, token_length_normalized
+from radixlm.frontend.engine import Engine
 from radixlm.frontend.interpreter import ProgramState, ProgramStateGroup
 from radixlm.frontend.ir import SamplingParams
 from radixlm.frontend.openai_backend import OpenAI
@@ -35,7 +37,7 @@ from radixlm.frontend.transport import BackendError
 __all__ = [
     "function", "Function", "gen", "select", "system", "user", "assistant", "system_begin",
     "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
-    "set_default_backend", "get_default_backend", "flush_cache", "RuntimeEndpoint", "Runtime",
+    "set_default_backend", "get_default_backend", "flush_cache", "RuntimeEndpoint", "Runtime", "Engine",
     "OpenAI", "Backend", "BackendError", "ChatTemplate", "ProgramState", "ProgramStateGroup",
     "SamplingParams", "token_length_normalized", "sum_logprob",
 ]

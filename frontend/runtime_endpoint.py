@@ -56,8 +56,14 @@ class RuntimeEndpoint(Backend):
 
     def __init__(self, base_url: str, api_key: str | None = None, tokenizer_path: str | None = None,
                  timeout: float = 600.0) -> None:
-        self.http = HttpClient(base_url, api_key, timeout)
-        self.base_url = self.http.base_url
+        http = HttpClient(base_url, api_key, timeout)
+        self.base_url = http.base_url
+        self._connect(http, tokenizer_path)
+
+    def _connect(self, http: Any, tokenizer_path: str | None) -> None:
+        """Use ``http`` (an ``HttpClient``, or anything with its ``get``/``post``/``stream``
+        taking the native API's paths: ``Engine``'s in-process server)."""
+        self.http = http
         self.model_info: dict[str, Any] = self.http.get("/get_model_info")
         self._tokenizer_path = tokenizer_path or self.model_info.get("tokenizer_path")
         self._tokenizer: HFTokenizer | None = None

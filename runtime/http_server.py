@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 import orjson
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,7 +52,8 @@ from radixlm.runtime.tokenizer_manager import (
 )
 
 __all__ = ["create_app", "error_response", "sse", "collect_until_disconnect", "HeldStream",
-           "ApiKeyMiddleware", "BodyLimitMiddleware", "BodyTooLarge", "PUBLIC_PATHS"]
+           "ApiKeyMiddleware", "BodyLimitMiddleware", "BodyTooLarge", "PUBLIC_PATHS", "api_error",
+           "native_generate", "native_generate_stream", "flush_radix_cache", "model_info"]
 
 PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
 VERSION = radixlm.__version__  # not importlib.metadata: a checkout on PYTHONPATH has none
@@ -156,7 +158,7 @@ class HeldStream(StreamingResponse):
             self.ticket.release()
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError | pydantic.ValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -219,24 +221,30 @@ def create_app(tm: TokenizerManager, metrics: Metrics, args: ServerArgs, model_p
     return app
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+def api_error(exc: Exception) -> tuple[int, str, str | None, str] | None:
+    """(HTTP status, message, param, error type) of a refused or failed request, for the
+    runtime's own exceptions and request-body validation errors; None for any other
+    exception. The HTTP error handlers and the in-process ``runtime.engine`` both use it."""
+    if isinstance(exc, RequestValidationError | pydantic.ValidationError):
         message, param = _validation_message(exc)
-        return error_response(400, message, param)
+        return 400, message, param, "invalid_request_error"
+    if isinstance(exc, InvalidRequest):
+        return 400, exc.message, exc.param, "invalid_request_error"
+    if isinstance(exc, QueueFull):
+        return 429, str(exc), None, "rate_limit_error"
+    if isinstance(exc, SchedulerDied):
+        return 503, f"the scheduler process died: {exc}", None, "server_error"
+    return None
 
-    @app.exception_handler(InvalidRequest)
-    async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return error_response(400, exc.message, exc.param)
 
-    @app.exception_handler(QueueFull)
-    async def _busy(_: Request, exc: QueueFull) -> JSONResponse:
-        return error_response(429, str(exc), err_type="rate_limit_error",
-                              headers={"Retry-After": str(exc.retry_after_s)})
+def _install_error_handlers(app: FastAPI) -> None:
+    async def _known(_: Request, exc: Exception) -> JSONResponse:
+        status, message, param, err_type = api_error(exc)
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
+        return error_response(status, message, param, err_type=err_type, headers=headers)
 
-    @app.exception_handler(SchedulerDied)
-    async def _died(_: Request, exc: SchedulerDied) -> JSONResponse:
-        return error_response(503, f"the scheduler process died: {exc}", err_type="server_error")
+    for exc_type in (RequestValidationError, InvalidRequest, QueueFull, SchedulerDied):
+        app.add_exception_handler(exc_type, _known)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -356,10 +364,8 @@ def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        out = await tm.flush_cache()
-        if out.success:
-            return Response("Cache flushed.\n", status_code=200)
-        return error_response(400, f"cache not flushed: {out.message}")
+        await flush_radix_cache(tm)
+        return Response("Cache flushed.\n", status_code=200)
 
     @app.get("/debug/check_invariants")
     async def check_invariants() -> dict[str, Any]:
@@ -376,41 +382,79 @@ def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        gens = _native_gens(tm, body)
-        ticket = tm.admit(gens)
         if body.stream:
-            return HeldStream(_native_stream(tm, gens, body, metrics), ticket)
-        results = []
-        with ticket:  # the prompts of a batch run concurrently (batched by the scheduler)
-            gathered = await asyncio.gather(*(collect_until_disconnect(request, tm.generate(g)) for g in gens))
-            if any(chunks is None for chunks in gathered):
-                return Response(status_code=CLIENT_CLOSED)
-            for gen, chunks in zip(gens, gathered, strict=True):
-                res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
-                for c in chunks:
-                    res[c.index].add(c)
-                    metrics.observe_chunk(gen, c)
-                results += [r.body() for r in res]
-        single = len(gens) == 1 and gens[0].n == 1 and not isinstance(body.text, list) and not (
-            body.input_ids and isinstance(body.input_ids[0], list))
-        return JSONResponse(results[0] if single else results)
+            ticket, events = native_generate_stream(tm, metrics, body)
+            return HeldStream(_sse_stream(events), ticket)
+        out = await native_generate(tm, metrics, body, lambda chunks: collect_until_disconnect(request, chunks))
+        return Response(status_code=CLIENT_CLOSED) if out is None else JSONResponse(out)
+
+
+async def flush_radix_cache(tm: TokenizerManager) -> None:
+    """``/flush_cache``: empty the radix cache. Raises InvalidRequest (400) if the
+    scheduler refuses (requests are running)."""
+    out = await tm.flush_cache()
+    if not out.success:
+        raise InvalidRequest(f"cache not flushed: {out.message}")
+
+
+async def _collect(chunks: AsyncIterator[SampleChunk]) -> list[SampleChunk] | None:
+    return [c async for c in chunks]
+
+
+async def native_generate(tm: TokenizerManager, metrics: Metrics, body: GenerateRequest,
+                          collect: Callable[[AsyncIterator[SampleChunk]], Any] = _collect) -> Any:
+    """The JSON of a non-streaming native ``/generate``: one result dict, or a list for a
+    batch or ``n`` > 1. ``collect`` gathers one prompt's chunks (None: the client left;
+    then this returns None). Raises InvalidRequest, QueueFull, SchedulerDied."""
+    gens = _native_gens(tm, body)
+    results = []
+    with tm.admit(gens):  # the prompts of a batch run concurrently (batched by the scheduler)
+        gathered = await asyncio.gather(*(collect(tm.generate(g)) for g in gens))
+        if any(chunks is None for chunks in gathered):
+            return None
+        for gen, chunks in zip(gens, gathered, strict=True):
+            res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
+            for c in chunks:
+                res[c.index].add(c)
+                metrics.observe_chunk(gen, c)
+            results += [r.body() for r in res]
+    single = len(gens) == 1 and gens[0].n == 1 and not isinstance(body.text, list) and not (
+        body.input_ids and isinstance(body.input_ids[0], list))
+    return results[0] if single else results
+
+
+def native_generate_stream(tm: TokenizerManager, metrics: Metrics,
+                           body: GenerateRequest) -> tuple[Ticket, AsyncIterator[dict[str, Any]]]:
+    """A streaming native ``/generate``: its admission ticket (the caller releases it when
+    the stream ends, however it ends) and its events (see ``_native_stream``). Raises
+    InvalidRequest, QueueFull."""
+    gens = _native_gens(tm, body)
+    return tm.admit(gens), _native_stream(tm, gens, body, metrics)
+
+
+async def _sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async for event in events:
+        yield sse(event)
+    yield SSE_DONE
+
+
+def model_info(tm: TokenizerManager, args: ServerArgs, model_path: str) -> dict[str, Any]:
+    """``/get_model_info``'s body (see that route)."""
+    r = tm.ready
+    return {"model_path": model_path, "tokenizer_path": args.tokenizer_path or r.model_dir,
+            "model_dir": r.model_dir, "served_model_name": tm.model_name, "is_generation": True,
+            "context_length": r.context_length, "page_size": r.page_size,
+            "max_total_tokens": r.max_total_tokens, "device": r.device, "dtype": r.dtype}
 
 
 def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, model_path: str) -> None:
-    def model_info() -> dict[str, Any]:
-        r = tm.ready
-        return {"model_path": model_path, "tokenizer_path": args.tokenizer_path or r.model_dir,
-                "model_dir": r.model_dir, "served_model_name": tm.model_name, "is_generation": True,
-                "context_length": r.context_length, "page_size": r.page_size,
-                "max_total_tokens": r.max_total_tokens, "device": r.device, "dtype": r.dtype}
-
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         """SGLang's model info. ``model_path``: the model as given (``--model-path``, or the
         default model's GGUF file), so clients can pick a chat template by name;
         ``tokenizer_path``: the directory the tokenizer was loaded from; ``model_dir``: the
         Hugging Face directory the weights were loaded from (a GGUF's converted copy)."""
-        return model_info()
+        return model_info(tm, args, model_path)
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
@@ -421,7 +465,7 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
         report: running/waiting requests, KV pool usage, prefix-cache hit rate,
         preemptions) and ``version``."""
         r = tm.ready
-        return {**args.public_dict(), **model_info(), "max_total_num_tokens": r.max_total_tokens,
+        return {**args.public_dict(), **model_info(tm, args, model_path), "max_total_num_tokens": r.max_total_tokens,
                 "max_req_input_len": r.context_length - 1, "kv_cache_bytes": r.kv_bytes,
                 "internal_states": [_internal_state(tm.stats)], "version": VERSION}
 
@@ -439,9 +483,10 @@ def _internal_state(stats: SchedulerStats | None) -> dict[str, Any]:
 
 
 async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: GenerateRequest,
-                         metrics: Metrics) -> AsyncIterator[bytes]:
-    """SGLang-style stream: each event carries the cumulative ``text`` and ``output_ids``
-    of one sample with its ``index``; then ``data: [DONE]``."""
+                         metrics: Metrics) -> AsyncIterator[dict[str, Any]]:
+    """SGLang-style stream events: each carries the cumulative ``text`` and ``output_ids``
+    of one sample with its ``index``; a failure mid-stream is a last ``{"error": ...}``
+    event (HTTP sends each as SSE, then ``data: [DONE]``)."""
     base = 0
     try:
         for gen in gens:
@@ -450,14 +495,13 @@ async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: Gener
                 res[c.index].add(c)
                 metrics.observe_chunk(gen, c)
                 if c.text or c.finished:
-                    yield sse({**res[c.index].body(), "index": base + c.index})
+                    yield {**res[c.index].body(), "index": base + c.index}
             base += gen.n
     except SchedulerDied as exc:
-        yield sse({"error": {"message": str(exc), "type": "server_error", "code": 503}})
+        yield {"error": {"message": str(exc), "type": "server_error", "code": 503}}
     except InvalidRequest as exc:
-        yield sse({"error": {"message": exc.message, "type": "invalid_request_error", "param": exc.param,
-                             "code": 400}})
-    yield SSE_DONE
+        yield {"error": {"message": exc.message, "type": "invalid_request_error", "param": exc.param,
+                         "code": 400}}
 
 
 Handler = Callable[..., Any]

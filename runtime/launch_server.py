@@ -20,7 +20,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import uvicorn
@@ -35,7 +35,8 @@ from radixlm.runtime.scheduler import run_scheduler_process
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.tokenizer_manager import TokenizerManager
 
-__all__ = ["launch_server", "main", "served_model_name"]
+__all__ = ["launch_server", "main", "served_model_name", "wait_ready", "make_tokenizer_manager",
+           "SchedulerStartError"]
 
 logger = logging.getLogger("radixlm.launch")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -70,7 +71,10 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-async def _wait_ready(recv: MsgSocket, proc: mp.Process, timeout: float) -> m.SchedulerReady:
+async def wait_ready(recv: MsgSocket, gone: Callable[[], str | None], timeout: float) -> m.SchedulerReady:
+    """The scheduler's ``SchedulerReady``. ``gone()`` says why the scheduler is no longer
+    running (None while it is). Raises SchedulerStartError on its ``SchedulerError``, its
+    end, or after ``timeout`` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
@@ -80,9 +84,20 @@ async def _wait_ready(recv: MsgSocket, proc: mp.Process, timeout: float) -> m.Sc
                 return msg
             if isinstance(msg, m.SchedulerError):
                 raise SchedulerStartError(msg.message)
-        elif not proc.is_alive():
-            raise SchedulerStartError(f"scheduler exited with code {proc.exitcode} during start-up")
+        elif (reason := gone()) is not None:
+            raise SchedulerStartError(f"{reason} during start-up")
     raise SchedulerStartError(f"scheduler not ready after {timeout:.0f} s")
+
+
+def make_tokenizer_manager(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket,
+                           recv: MsgSocket) -> TokenizerManager:
+    """The tokenizer side of a started scheduler (loads the model's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or ready.model_dir)
+    return TokenizerManager(tokenizer, ready, send, recv, served_model_name(args), log_requests=args.log_requests,
+                            max_running_requests=args.max_running_requests,
+                            max_queued_requests=args.max_queued_requests)
 
 
 async def _watchdog(proc: mp.Process, tm: TokenizerManager, server: uvicorn.Server, state: dict) -> None:
@@ -107,7 +122,8 @@ async def _serve(args: ServerArgs) -> int:
                        name="radixlm-scheduler", daemon=True)
     proc.start()
     try:
-        ready = await _wait_ready(recv, proc, args.startup_timeout)
+        ready = await wait_ready(recv, lambda: None if proc.is_alive() else
+                                 f"scheduler exited with code {proc.exitcode}", args.startup_timeout)
         return await _run_http(args, ready, send, recv, proc)
     except SchedulerStartError as exc:
         logger.error("server failed to start: %s", exc)
@@ -120,13 +136,8 @@ async def _serve(args: ServerArgs) -> int:
 
 async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, recv: MsgSocket,
                     proc: mp.Process) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or ready.model_dir)
-    name = served_model_name(args)
-    tm = TokenizerManager(tokenizer, ready, send, recv, name, log_requests=args.log_requests,
-                          max_running_requests=args.max_running_requests,
-                          max_queued_requests=args.max_queued_requests)
+    tm = make_tokenizer_manager(args, ready, send, recv)
+    name = tm.model_name
     app = create_app(tm, Metrics(name), args, args.model_path or str(default_gguf_path()))
     loop_kind = "uvloop" if _has_uvloop() else "asyncio"
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -379,8 +380,11 @@ class Scheduler:
         return 5 if self.grammar_waiting else 50
 
     # ----------------------------------------------------------------- event loop
-    def run_forever(self, recv: MsgSocket, send: MsgSocket, parent_pid: int | None = None) -> None:
-        while True:
+    def run_forever(self, recv: MsgSocket, send: MsgSocket, parent_pid: int | None = None,
+                    stop: threading.Event | None = None) -> None:
+        """Serve ``recv`` until the parent process is gone or ``stop`` is set (checked
+        every loop, at least every 50 ms)."""
+        while stop is None or not stop.is_set():
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("parent process is gone; exiting")
                 return
@@ -392,6 +396,11 @@ class Scheduler:
             self._flush(send)
             if not worked and not self.has_work and self.args.debug_invariants and msgs:
                 self._debug_check("when idle")
+
+    def close(self) -> None:
+        """Stop the grammar compiler's worker thread (the model is freed with the object)."""
+        if self._grammars is not None:
+            self._grammars.close()
 
     def _flush(self, send: MsgSocket) -> None:
         if self.outbox:
@@ -411,20 +420,38 @@ def _has_penalties(req: Req) -> bool:
     return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
 
 
+def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None,
+                    stop: threading.Event | None = None) -> bool:
+    """Connect to the tokenizer side at ``recv_addr``/``send_addr``, load the model, report
+    ``SchedulerReady`` (or ``SchedulerError``, then return False), then serve until the
+    parent process is gone or ``stop`` is set. Runs in the scheduler process, or on a
+    thread of the user's process (``runtime.engine``)."""
+    send = MsgSocket(zmq.PUSH, send_addr, bind=False)
+    recv = MsgSocket(zmq.PULL, recv_addr, bind=False)
+    try:
+        try:
+            runner = ModelRunner(args)
+            scheduler = Scheduler(args, runner)
+        except Exception as exc:  # report start-up failures instead of dying silently
+            logger.exception("scheduler failed to start")
+            send.send(m.SchedulerError(message=f"{type(exc).__name__}: {exc}"))
+            time.sleep(0.5)  # linger 0: let the message leave before the socket closes
+            return False
+        send.send(runner.ready_message())
+        try:
+            scheduler.run_forever(recv, send, parent_pid, stop)
+        finally:
+            scheduler.close()
+        return True
+    finally:
+        recv.close()
+        send.close()
+
+
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None) -> None:
     """Entry point of the scheduler child process."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns shutdown: it drains
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # HTTP requests first, then kills us
-    send = MsgSocket(zmq.PUSH, send_addr, bind=False)
-    recv = MsgSocket(zmq.PULL, recv_addr, bind=False)
-    try:
-        runner = ModelRunner(args)
-        scheduler = Scheduler(args, runner)
-    except Exception as exc:  # report start-up failures instead of dying silently
-        logger.exception("scheduler failed to start")
-        send.send(m.SchedulerError(message=f"{type(exc).__name__}: {exc}"))
-        time.sleep(0.5)
+    if not serve_scheduler(args, recv_addr, send_addr, parent_pid):
         os._exit(1)
-    send.send(runner.ready_message())
-    scheduler.run_forever(recv, send, parent_pid)
