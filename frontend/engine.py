@@ -20,6 +20,7 @@ import atexit
 from typing import Any
 
 from radixlm.frontend.runtime_endpoint import RuntimeEndpoint
+from radixlm.frontend.transport import BackendError
 
 __all__ = ["Engine"]
 
@@ -40,7 +41,7 @@ class Engine(RuntimeEndpoint):
         args = ServerArgs(**server_flags)
         args.validate()
         self.server_args = args
-        self.server = LocalServer(args)
+        self.server = LocalServer(args, error=BackendError)
         atexit.register(self.shutdown)
         self.base_url = None
         try:

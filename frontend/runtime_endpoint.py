@@ -19,7 +19,7 @@ torch); the frontend must see that directory (same machine or shared disk), or b
 ``tokenizer_path`` pointing at a copy. Plain ``gen`` programs without roles need neither.
 
 ``Runtime(**server_flags)`` starts ``python -m radixlm.runtime.launch_server`` as a child
-process (the frontend talks to the runtime over HTTP only; it imports none of it) and is
+process (it talks to the runtime over HTTP only and imports none of it; ``Engine`` runs it in-process) and is
 a ``RuntimeEndpoint`` to it until ``shutdown()``.
 """
 

@@ -10,8 +10,10 @@ functions the HTTP routes run (``http_server.native_generate`` ...) on the loop,
 results, stream events and error messages are the server's; it is the in-process twin of
 ``frontend.transport.HttpClient`` and backs ``radixlm.frontend.Engine``.
 
-Errors are ``frontend.transport.BackendError`` with the status and message the HTTP route
-would answer (400 for an invalid request, 429 queue full, 503 scheduler gone).
+Errors are ``RequestError`` (or the ``error`` type given: the frontend passes its
+``BackendError``) with the status and message the HTTP route would answer (400 for an
+invalid request, 429 queue full, 503 scheduler gone or engine closed; 0 for an error
+event inside a stream).
 ``close()`` stops both threads (in-flight requests fail) and drops the model.
 """
 
@@ -21,12 +23,11 @@ import asyncio
 import gc
 import logging
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 import zmq
 
-from radixlm.frontend.transport import BackendError
 from radixlm.runtime.http_server import (
     api_error,
     flush_radix_cache,
@@ -43,20 +44,32 @@ from radixlm.runtime.scheduler import serve_scheduler
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.tokenizer_manager import Ticket, TokenizerManager
 
-__all__ = ["LocalServer"]
+__all__ = ["LocalServer", "RequestError"]
 
 logger = logging.getLogger("radixlm.engine")
 _END = object()  # the end of a stream's events
 STOP_TIMEOUT_S = 30.0  # how long close() waits for each thread
 
 
+class RequestError(RuntimeError):
+    """A request the server answers with an error: ``status`` is the HTTP status (0 for an
+    error event inside a stream), ``message`` the route's error message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+
+
 class LocalServer:
     """The scheduler and tokenizer manager of a server for ``args``, in this process.
-    Blocks until the model is loaded; raises RuntimeError if the scheduler fails to start
-    (its error message) or is not ready within ``args.startup_timeout`` seconds."""
+    ``error(status, message)`` builds the exception request errors raise. Blocks until the
+    model is loaded; raises RuntimeError if the scheduler fails to start (its error
+    message) or is not ready within ``args.startup_timeout`` seconds."""
 
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, error: Callable[[int, str], Exception] = RequestError) -> None:
         self.args = args
+        self.error = error
         self.model_path = args.model_path or str(default_gguf_path())
         self._stop = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -133,17 +146,17 @@ class LocalServer:
     # ----------------------------------------------------------------- routes
     def _call(self, coro: Coroutine) -> Any:
         """Run ``coro`` on the engine's loop and wait for it; the runtime's request errors
-        become BackendError as the HTTP route's status and message."""
+        become ``error`` with the HTTP route's status and message."""
         if self._stop.is_set():
             coro.close()
-            raise BackendError(503, "the engine was shut down")
+            raise self.error(503, "the engine was shut down")
         try:
             return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
         except Exception as exc:
             err = api_error(exc)
             if err is None:
                 raise
-            raise BackendError(err[0], err[1]) from exc
+            raise self.error(err[0], err[1]) from exc
 
     def get(self, path: str) -> Any:
         """``GET path`` of the native API (``/get_model_info``)."""
@@ -153,7 +166,7 @@ class LocalServer:
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
         """``POST path`` of the native API (``/generate``, non-streaming; ``/flush_cache``):
-        the JSON the route answers (None for ``/flush_cache``). Raises BackendError."""
+        the JSON the route answers (None for ``/flush_cache``). Raises ``error``."""
         if path == "/generate":
             return self._call(self._generate(body))
         if path == "/flush_cache":
@@ -165,7 +178,7 @@ class LocalServer:
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """A streaming ``POST /generate``: each event's JSON (what HTTP sends as SSE)
-        until the end. Raises BackendError for an invalid request or an error event.
+        until the end. Raises ``error`` for an invalid request or an error event.
         Closing the iterator early aborts the generation."""
         if path != "/generate":
             raise ValueError(f"the engine has no streaming route {path}")
@@ -173,7 +186,7 @@ class LocalServer:
         try:
             while (event := self._call(_next(events))) is not _END:
                 if "error" in event:
-                    raise BackendError(0, str(event["error"].get("message")))
+                    raise self.error(0, str(event["error"].get("message")))
                 yield event
         finally:
             if not self._stop.is_set():  # else close() failed the generation already
