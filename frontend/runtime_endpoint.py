@@ -19,8 +19,9 @@ torch); the frontend must see that directory (same machine or shared disk), or b
 ``tokenizer_path`` pointing at a copy. Plain ``gen`` programs without roles need neither.
 
 ``Runtime(**server_flags)`` starts ``python -m radixlm.runtime.launch_server`` as a child
-process (it talks to the runtime over HTTP only and imports none of it; ``Engine`` runs it in-process) and is
-a ``RuntimeEndpoint`` to it until ``shutdown()``.
+process (it talks to the runtime over HTTP only and imports none of it; ``engine.Engine``
+runs the runtime in-process instead) and is a ``RuntimeEndpoint`` to it until
+``shutdown()``.
 """
 
 from __future__ import annotations
