@@ -21,6 +21,7 @@ Guards, in the order a request meets them:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable
@@ -433,8 +434,9 @@ def native_generate_stream(tm: TokenizerManager, metrics: Metrics,
 
 
 async def _sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    async for event in events:
-        yield sse(event)
+    async with contextlib.aclosing(events):  # a client gone: close now, which aborts the samples
+        async for event in events:
+            yield sse(event)
     yield SSE_DONE
 
 
@@ -465,8 +467,8 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
         report: running/waiting requests, KV pool usage, prefix-cache hit rate,
         preemptions) and ``version``."""
         r = tm.ready
-        return {**args.public_dict(), **model_info(tm, args, model_path), "max_total_num_tokens": r.max_total_tokens,
-                "max_req_input_len": r.context_length - 1, "kv_cache_bytes": r.kv_bytes,
+        return {**args.public_dict(), **model_info(tm, args, model_path),
+                "max_total_num_tokens": r.max_total_tokens, "max_req_input_len": r.context_length - 1, "kv_cache_bytes": r.kv_bytes,
                 "internal_states": [_internal_state(tm.stats)], "version": VERSION}
 
 
