@@ -493,11 +493,12 @@ async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: Gener
     try:
         for gen in gens:
             res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
-            async for c in tm.generate(gen):
-                res[c.index].add(c)
-                metrics.observe_chunk(gen, c)
-                if c.text or c.finished:
-                    yield {**res[c.index].body(), "index": base + c.index}
+            async with contextlib.aclosing(tm.generate(gen)) as chunks:  # closed with us: aborts now
+                async for c in chunks:
+                    res[c.index].add(c)
+                    metrics.observe_chunk(gen, c)
+                    if c.text or c.finished:
+                        yield {**res[c.index].body(), "index": base + c.index}
             base += gen.n
     except SchedulerDied as exc:
         yield {"error": {"message": str(exc), "type": "server_error", "code": 503}}

@@ -137,8 +137,10 @@ def test_streaming_yields_the_whole_text_and_an_early_close_aborts(engine):
         s += gen("a", max_tokens=8)
 
     reference = story.run(**kwargs, backend=engine)["a"]
-    pieces = list(story.run(**kwargs, backend=engine, stream=True).text_iter("a"))
+    streamed = story.run(**kwargs, backend=engine, stream=True)
+    pieces = list(streamed.text_iter("a"))
     assert len(pieces) > 1 and "".join(pieces) == reference
+    streamed.sync()  # the program's thread has read the stream to its end and released it
     stream = engine.generate_stream(Prompt(text="Once upon a time,"), SamplingParams(max_new_tokens=64))
     text, meta = next(stream)
     assert text and meta["completion_tokens"] >= 1
