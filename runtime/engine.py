@@ -138,7 +138,12 @@ class LocalServer:
         if self._recv_task is not None:
             self._recv_task.cancel()
             await asyncio.gather(self._recv_task, return_exceptions=True)
-        await asyncio.sleep(0)  # let failed requests see their error
+        others = asyncio.all_tasks() - {asyncio.current_task()}  # requests of other threads
+        if others:  # failed above: they end with their error; one stuck is cancelled
+            _, stuck = await asyncio.wait(others, timeout=5.0)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
         for sock in self._sockets:
             sock.close()
         self._sockets = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -153,7 +154,20 @@ def test_shutdown_stops_the_threads_and_a_new_engine_works(engine):
     second = Engine(**FLAGS)
     state = complete.run(text="The capital of France is", temperature=0, backend=second)
     assert state["a"] == complete.run(text="The capital of France is", temperature=0, backend=engine)["a"]
+    failed: list[BaseException] = []
+
+    def long_generation() -> None:
+        try:
+            second.generate(Prompt(text="Count:"), SamplingParams(max_new_tokens=2000, ignore_eos=True))
+        except BaseException as exc:
+            failed.append(exc)
+
+    worker = threading.Thread(target=long_generation)
+    worker.start()
+    time.sleep(1.0)  # let it start decoding (2000 tokens take far longer)
     second.shutdown()
+    worker.join(30)
+    assert not worker.is_alive() and isinstance(failed[0], BackendError) and failed[0].status == 503, failed
     second.shutdown()  # idempotent
     with pytest.raises(BackendError, match="shut down"):
         complete.run(text="The capital of France is", backend=second)
