@@ -138,7 +138,8 @@ class Runner:
             steps = max(delta["radixlm:decode_steps_total"], 1)
             self.extra[f"{tag}-scheduler"] = dict(
                 delta, busy_ms_per_forward_step=1e3 * delta["radixlm:scheduler_busy_seconds_total"]
-                / max(delta["radixlm:forward_steps_total"], 1), decode_steps=steps)
+                / max(delta["radixlm:forward_steps_total"], 1), decode_steps=steps,
+                busy_ms_per_decode_step=1e3 * delta["radixlm:scheduler_decode_busy_seconds_total"] / steps)
         self.write_summary()  # after every step: a run killed later keeps what it measured
 
     def write_summary(self) -> dict:
@@ -160,7 +161,7 @@ def serve_and_bench(run: Runner, model_dir: Path) -> None:
         # the runs share prompts: the radix cache is flushed before each, or a warm cache
         # would inflate the later ones
         url = ["--base-url", srv.url, "--flush-cache"]
-        run.bench("sharegpt-offline", *url, *run.sharegpt(args.num_prompts))
+        run.bench("sharegpt-offline", *url, *run.sharegpt(args.num_prompts), scrape=srv.url)
         run.bench("sharegpt-offline-baseline-prompts", *url, *run.sharegpt(args.hf_num_prompts))
         if not args.skip_gsp:
             run.bench("gsp", *url, "--dataset-name", "generated-shared-prefix",
@@ -181,7 +182,8 @@ def scheduler_counters(url: str) -> dict[str, float]:
     """The scheduler's cumulative step counters and busy time from /metrics."""
     import httpx
 
-    keys = ("radixlm:forward_steps_total", "radixlm:decode_steps_total", "radixlm:scheduler_busy_seconds_total")
+    keys = ("radixlm:forward_steps_total", "radixlm:decode_steps_total", "radixlm:scheduler_busy_seconds_total",
+            "radixlm:scheduler_decode_busy_seconds_total")
     values = dict.fromkeys(keys, 0.0)
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         name = line.split("{")[0].split(" ")[0]

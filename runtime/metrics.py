@@ -61,6 +61,10 @@ class Metrics:
         self.decode_steps = gauge("decode_steps_total", "Forward passes where every request decodes one token.")
         self.busy = gauge("scheduler_busy_seconds_total",
                           "Scheduler loop time not spent waiting for the device (planning, launching, output).")
+        self.decode_busy = gauge("scheduler_decode_busy_seconds_total",
+                                 "The part of scheduler_busy_seconds_total spent in steps that launched a "
+                                 "decode pass (every request one token): divide by decode_steps_total for "
+                                 "the host time of one decode step.")
         self.kv_waste = gauge("kv_cache_waste_tokens",
                               "KV slots held by running requests that hold no computed token "
                               "(partial last pages, pages grown ahead).")
@@ -95,6 +99,7 @@ class Metrics:
             self.forward_steps.set(stats.forward_steps)
             self.decode_steps.set(stats.decode_steps)
             self.busy.set(stats.scheduler_busy_seconds)
+            self.decode_busy.set(stats.scheduler_decode_busy_seconds)
             self.kv_waste.set(stats.kv_waste_tokens)
             used_slots = stats.kv_used_pages * stats.page_size
             self.kv_waste_ratio.set(stats.kv_waste_tokens / used_slots if used_slots else 0.0)

@@ -36,7 +36,13 @@ from radixlm.runtime.memory_pool import TIERED_KV, KVPool, kv_page_bytes, tiered
 from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
 from radixlm.runtime.preemption import DEVICE_RATES, SwapCostModel
 from radixlm.runtime.request import Req
-from radixlm.runtime.sampling import SampleResult, SamplingBatch, SamplingInfo, sample
+from radixlm.runtime.sampling import (
+    SampleResult,
+    SamplingBatch,
+    SamplingInfo,
+    has_penalties,
+    sample,
+)
 from radixlm.runtime.schedule_policy import ScheduleDecision, ScheduleItem
 from radixlm.runtime.server_args import ServerArgs
 
@@ -117,6 +123,7 @@ class ModelRunner:
         self._prev_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         self._prev_rows: dict[Req, int] = {}
         self._last_launch: PendingStep | None = None
+        self._sampling_cache: tuple[tuple[Req, ...], SamplingBatch] | None = None  # see _sampling_batch
         self.graph_runner = self._make_graph_runner()
         self._warm_up_split_extend()
 
@@ -264,6 +271,18 @@ class ModelRunner:
         self._last_launch = step
         return step
 
+    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+        """The SamplingBatch of these rows. A batch of the same requests in the same order as
+        the last one is reused when no row carries per-step state (a seed's step, the tokens a
+        penalty counts): a steady decode batch builds it once, not once per step."""
+        key = tuple(reqs)
+        if self._sampling_cache is not None and self._sampling_cache[0] == key:
+            return self._sampling_cache[1]
+        sb = SamplingBatch.build([_sampling_info(req) for req in reqs], self.device)
+        stateless = all(req.sampling.seed is None and not has_penalties(req.sampling) for req in reqs)
+        self._sampling_cache = (key, sb) if stateless else None
+        return sb
+
     def _grammar_for_step(self, req: Req) -> Any:
         """The request's grammar matcher, advanced past its token in flight if it has one:
         that token is read from the previous launch (waiting for it while this step's
@@ -376,9 +395,8 @@ class ModelRunner:
         if not picks:
             return
         reqs = [items[i].req for i, _ in picks]
-        infos = [_sampling_info(req) for req in reqs]
         top_k = max(req.top_logprobs_num for req in reqs)
-        sb = SamplingBatch.build(infos, self.device)
+        sb = self._sampling_batch(reqs)
         matchers = [self._grammar_for_step(req) for req in reqs]
         mask = partial(self.grammar_masker.apply, matchers=matchers) if any(m is not None for m in matchers) else None
         sample_rows = [r for _, r in picks]

@@ -51,13 +51,14 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from radixlm.runtime.forward_batch import to_device
 
-__all__ = ["SampleResult", "SamplingBatch", "SamplingInfo", "apply_penalties", "sample"]
+__all__ = ["SampleResult", "SamplingBatch", "SamplingInfo", "apply_penalties", "has_penalties", "sample"]
 
 GREEDY_EPS = 1e-5  # temperature below this means greedy
 _TOP_K_OFF = sys.maxsize  # rank limit that never masks
@@ -368,6 +369,12 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def has_penalties(p: Any) -> bool:
+    """True if sampling parameters ``p`` (a SamplingInfo or the request's SamplingParams)
+    carry a repetition, frequency or presence penalty: the row needs its tokens every step."""
+    return _rep_wanted(p) or _freq_pres_wanted(p)
 
 
 def _rep_wanted(p: SamplingInfo) -> bool:

@@ -16,6 +16,18 @@ far as it is page-aligned, the rest freed) and goes back to the waiting queue in
 arrival order, to be recomputed later. A request that cannot grow even when it runs
 alone is finished with reason "length" (the KV pool is full).
 
+Admission batching (``admit_batch`` k > 1, the server's default with CUDA graphs): a step
+whose items all decode one token replays a CUDA graph, but one that also prefills a new
+request runs eagerly, and an eager pass of a large model costs the host tens of ms of
+kernel launches whatever its size. When the queue is deeper than the free request slots,
+admitting the one request that each finish lets in would make nearly every step eager.
+So while the step would be a pure decode step and fewer than ``min(k, waiting)`` slots are
+free, admission is held, for at most ``admit_max_wait_steps`` plans; then the freed slots
+are filled in one eager step. A short queue (no more requests waiting than slots free) is
+admitted at once, so an unsaturated server adds no queueing delay. (Text Generation
+Inference holds new requests back the same way: ``waiting_served_ratio``,
+``max_waiting_tokens``.)
+
 Admission reserves pages for the decode still ahead of the running requests and of the
 candidate: ``reserve_ratio * expected remaining tokens`` each (OutputLengthEstimator),
 at least one page per running request. The ratio starts at ``reserve_ratio_init``,
@@ -34,6 +46,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from operator import attrgetter
 
 from radixlm.runtime.preemption import OutputLengthEstimator, choose_victim
@@ -54,9 +67,11 @@ class ScheduleItem:
     start: int
     num_tokens: int
 
-    @property
+    @cached_property
     def samples(self) -> bool:
-        """True if this pass reaches the end of the sequence, so a token is sampled."""
+        """True if this pass reaches the end of the sequence, so a token is sampled. Read
+        several times per step (planner, runner, scheduler), computed once: the sequence
+        does not change between planning and launching the step."""
         return self.start + self.num_tokens == self.req.seq_len
 
 
@@ -104,6 +119,8 @@ class BatchPlanner:
         schedule_policy: str = "fcfs",
         schedule_max_wait_s: float = float("inf"),
         schedule_max_passes: int = 1 << 62,
+        admit_batch: int = 1,
+        admit_max_wait_steps: int = 32,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cache = cache
@@ -132,6 +149,12 @@ class BatchPlanner:
         self.swapped_tokens = 0  # host tokens held by swapped-out requests (page-rounded)
         self.num_swapped_out = 0
         self._running_reserve: int | None = None  # see _decode_reserve
+        if admit_batch < 1 or admit_max_wait_steps < 0:
+            raise ValueError(f"need admit_batch >= 1 and admit_max_wait_steps >= 0, got "
+                             f"{admit_batch}, {admit_max_wait_steps}")
+        self.admit_batch = admit_batch
+        self.admit_max_wait_steps = admit_max_wait_steps
+        self._held_since: int | None = None  # plan step since which admission has been held
         tree = cache.tree if enable_prefix_reuse else None
         self.order = WaitingOrder(schedule_policy, tree, self._match_limit, schedule_max_wait_s,
                                   schedule_max_passes, clock)
@@ -182,8 +205,26 @@ class BatchPlanner:
         self.reserve_ratio = max(self.reserve_ratio_min, self.reserve_ratio - self._reserve_decay)
         decision = ScheduleDecision()
         budget = self._schedule_running(decision, self.max_prefill_tokens)
-        self._admit_waiting(decision, budget)
+        if self._admission_open(decision):
+            self._admit_waiting(decision, budget)
         return decision
+
+    def _admission_open(self, decision: ScheduleDecision) -> bool:
+        """False while admission batching holds the waiting requests back (module
+        docstring): the step so far only decodes, the queue is deeper than the free
+        request slots and fewer than ``admit_batch`` are free, for fewer than
+        ``admit_max_wait_steps`` plans in a row."""
+        free = self.max_running_requests - len(self.running)
+        if (self.admit_batch == 1 or free <= 0 or free >= min(self.admit_batch, len(self.waiting))
+                or not decision.items or any(it.num_tokens != 1 for it in decision.items)):
+            self._held_since = None  # nothing to hold (or no slot to fill): open
+            return True
+        if self._held_since is None:
+            self._held_since = self.step
+        if self.step - self._held_since < self.admit_max_wait_steps:
+            return False
+        self._held_since = None
+        return True
 
     def _schedule(self, decision: ScheduleDecision, req: Req, n: int) -> None:
         decision.items.append(ScheduleItem(req, req.num_computed, n))
@@ -203,7 +244,7 @@ class BatchPlanner:
 
     def _schedule_running(self, decision: ScheduleDecision, budget: int) -> int:
         for req in list(self.running):
-            if req not in self.running:  # preempted while making room for an older one
+            if decision.preempted and req in decision.preempted:  # made room for an older one
                 continue
             if self._done_in_flight(req):
                 continue

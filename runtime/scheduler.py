@@ -31,6 +31,7 @@ from radixlm.runtime.memory_pool import PageAllocator
 from radixlm.runtime.model_runner import ItemResult, ModelRunner, PendingStep
 from radixlm.runtime.prefix_cache import PrefixCache
 from radixlm.runtime.request import Req
+from radixlm.runtime.sampling import has_penalties
 from radixlm.runtime.schedule_policy import BatchPlanner
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.stop_checker import StopChecker
@@ -72,6 +73,8 @@ class Scheduler:
             schedule_policy=args.schedule_policy,
             schedule_max_wait_s=args.schedule_max_wait_s,
             schedule_max_passes=args.schedule_max_passes,
+            admit_batch=_admit_batch(args, runner),
+            admit_max_wait_steps=args.admit_max_wait_steps,
         )
         self.overlap = not args.disable_overlap_schedule
         self.inflight: PendingStep | None = None  # launched, results not read yet
@@ -80,12 +83,14 @@ class Scheduler:
         self.outbox: list[m.ReqOutput] = []
         self.control_out: list[Any] = []
         self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0, recomputed=0, steps=0, decode_steps=0,
-                             busy_s=0.0)
+                             busy_s=0.0, decode_busy_s=0.0)
+        self._decode_step = False  # the step being run launched a pure decode pass
         self._waited = 0.0  # seconds the current step waited for the device
         self._last_stats = 0.0
         self.violations: list[str] = []
         self._grammars: GrammarCache | None = None  # built on the first grammar request
         self.grammar_waiting: list[tuple[Req, Future]] = []  # compiling off the loop
+        self._penalised: set[Req] = set()  # live requests with a penalty (see _needs_tokens)
 
     # ----------------------------------------------------------------- messages
     def handle(self, msg: Any) -> None:
@@ -109,6 +114,8 @@ class Scheduler:
             return
         req = Req.from_message(msg, arrival=time.monotonic())
         self.reqs[req.rid] = req
+        if has_penalties(req.sampling):
+            self._penalised.add(req)
         # max_new_tokens == 0 still runs the prompt (it is scored and cached, as SGLang's
         # frontend relies on for fork warm-up / cache_prefix); no token is appended.
         grammar = grammar_of(req.sampling)
@@ -162,11 +169,14 @@ class Scheduler:
         penalties need every token on the host first: then the step in flight is read
         before planning.
         """
-        start, self._waited = time.perf_counter(), 0.0
+        start, self._waited, self._decode_step = time.perf_counter(), 0.0, False
         try:
             return self._step()
         finally:
-            self.counters["busy_s"] += time.perf_counter() - start - self._waited
+            busy = time.perf_counter() - start - self._waited
+            self.counters["busy_s"] += busy
+            if self._decode_step:
+                self.counters["decode_busy_s"] += busy
 
     def _step(self) -> bool:
         if self.grammar_waiting:
@@ -184,7 +194,8 @@ class Scheduler:
         launched = None
         if decision.items:
             self.counters["steps"] += 1
-            self.counters["decode_steps"] += all(it.num_tokens == 1 and it.samples for it in decision.items)
+            self._decode_step = all(it.num_tokens == 1 and it.samples for it in decision.items)
+            self.counters["decode_steps"] += self._decode_step
             launched = self.runner.launch(decision)
             self._advance(launched)
         if self.inflight is not None:
@@ -198,8 +209,9 @@ class Scheduler:
         return launched is not None or collected
 
     def _needs_tokens(self) -> bool:
-        """True if a running request's next step needs its previous token on the host."""
-        return any(_has_penalties(req) for req in self.planner.running)
+        """True if a live request's next step may need its previous token on the host (a
+        penalty counts the tokens; waiting requests included, which only costs overlap)."""
+        return bool(self._penalised)
 
     def _advance(self, step: PendingStep) -> None:
         """Bookkeeping of a launched step, before its results are known: computed tokens
@@ -294,6 +306,7 @@ class Scheduler:
         req.num_computed = min(req.num_computed, req.num_known)
         self.planner.remove(req)
         self.reqs.pop(req.rid, None)
+        self._penalised.discard(req)
         if req.finish_reason != "abort" or req.error != "aborted by the client":
             self._emit(req)
 
@@ -337,6 +350,7 @@ class Scheduler:
             forward_steps=self.counters["steps"],
             decode_steps=self.counters["decode_steps"],
             scheduler_busy_seconds=self.counters["busy_s"],
+            scheduler_decode_busy_seconds=self.counters["decode_busy_s"],
             kv_waste_tokens=self.cache.waste_tokens(self.planner.running),
             page_size=self.args.page_size,
         )
@@ -415,9 +429,13 @@ class Scheduler:
             self._last_stats = now
 
 
-def _has_penalties(req: Req) -> bool:
-    sp = req.sampling
-    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+def _admit_batch(args: ServerArgs, runner: ModelRunner) -> int:
+    """--admit-batch-size, or its default: batch admissions only where decode steps replay
+    CUDA graphs (eager decode steps cost as much host time as a mixed one)."""
+    if args.admit_batch_size is not None:
+        return args.admit_batch_size
+    graphs = getattr(runner, "graph_runner", None) is not None  # stub runners in tests: none
+    return max(1, args.max_running_requests // 8) if graphs else 1
 
 
 def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None,

@@ -171,6 +171,18 @@ class ServerArgs:
         "Starvation guard of --schedule-policy: the oldest waiting request is admitted next "
         "once this many other requests were admitted while it was the oldest.",
     )
+    admit_batch_size: int | None = _opt(
+        None,
+        "Admission batching: while every running request decodes (a CUDA-graph step) and more "
+        "requests wait than request slots are free, new requests are admitted only once this "
+        "many slots are free (or after --admit-max-wait-steps steps), so the eager step that "
+        "prefills them is paid once per batch instead of once per finished request. A queue no "
+        "longer than the free slots is admitted at once. Default: --max-running-requests // 8 "
+        "with CUDA graphs, 1 (admit at once) without. 1: off.",
+    )
+    admit_max_wait_steps: int = _opt(
+        32, "Admission batching: most consecutive steps that new requests are held back."
+    )
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
     radix_eviction_policy: str = _opt(
         "lru",
@@ -275,6 +287,10 @@ class ServerArgs:
             raise ValueError("--schedule-max-wait-s must be >= 0")
         if self.schedule_max_passes < 0:
             raise ValueError("--schedule-max-passes must be >= 0")
+        if self.admit_batch_size is not None and self.admit_batch_size < 1:
+            raise ValueError("--admit-batch-size must be >= 1")
+        if self.admit_max_wait_steps < 0:
+            raise ValueError("--admit-max-wait-steps must be >= 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
         if self.max_request_body_bytes < 1:

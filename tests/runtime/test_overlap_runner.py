@@ -41,3 +41,30 @@ def test_overlap_gives_the_same_tokens_and_logprobs_as_reading_each_step(runner:
         assert len(with_overlap[rid].new_token_ids) == 5 and with_overlap[rid].finish_reason == "length"
         assert with_overlap[rid].new_logprobs == pytest.approx(without[rid].new_logprobs, abs=1e-4)
         assert with_overlap[rid].prompt_logprobs[1:] == pytest.approx(without[rid].prompt_logprobs[1:], abs=1e-4)
+
+
+def test_sampling_batch_is_reused_only_for_the_same_stateless_rows(runner: ModelRunner) -> None:
+    """A steady decode batch builds its SamplingBatch once; seeded or penalised rows (their
+    noise key and counted tokens change every step) and a changed batch build a new one,
+    with the right values."""
+    from radixlm.runtime.request import Req
+
+    def req(rid: str, **sp) -> Req:
+        return Req(rid=rid, prompt_ids=[1, 2, 3], sampling=m.SamplingParams(max_new_tokens=8, **sp))
+
+    a, b = req("a", temperature=0.5), req("b", temperature=0.0, top_k=5)
+    first = runner._sampling_batch([a, b])
+    assert runner._sampling_batch([a, b]) is first
+    assert first.temperatures.tolist() == [0.5, 1.0] and first.greedy.tolist() == [False, True]
+    swapped = runner._sampling_batch([b, a])
+    assert swapped is not first and swapped.temperatures.tolist() == [1.0, 0.5]
+    seeded = req("s", temperature=0.7, seed=3)
+    one = runner._sampling_batch([a, seeded])
+    seeded.output_ids.append(9)  # the next step: another noise key
+    two = runner._sampling_batch([a, seeded])
+    assert two is not one and one.seed_keys != two.seed_keys
+    penalised = req("p", frequency_penalty=0.5)
+    one = runner._sampling_batch([penalised])
+    penalised.output_ids.append(4)
+    two = runner._sampling_batch([penalised])
+    assert one.output_ids.tolist() == [] and two.output_ids.tolist() == [4]

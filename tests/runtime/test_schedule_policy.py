@@ -615,3 +615,83 @@ def test_kv_waste_is_partial_pages_of_running_requests():
     assert p.cache.waste_tokens(p.running) == 2
     run_step(p)  # a: 12 computed, page full; b: 12 computed
     assert p.cache.waste_tokens(p.running) == 0
+
+
+# ------------------------------------------------------------ admission batching (issue 4)
+
+
+def _admission_scenario(admit_batch: int, max_wait: int, max_news: list[int], waiting: int
+                        ) -> tuple[BatchPlanner, list[list[tuple[str, int, int]]]]:
+    """len(max_news) requests fill every slot and decode, ``waiting`` more queue behind them;
+    requests finish at their max_new_tokens. Returns the planner and each step's items."""
+    p = make_planner(num_pages=256, radix=False, max_running=len(max_news), admit_batch=admit_batch,
+                     admit_max_wait_steps=max_wait)
+    for i, n in enumerate(max_news):
+        p.add(make_req(f"r{i}", _q(10 * i + 1, 4), max_new=n))
+    for i in range(waiting):
+        p.add(make_req(f"w{i}", _q(200 + 10 * i, 4), max_new=50))
+    steps = []
+    for _ in range(12):
+        steps.append(run_step(p))
+        for r in list(p.running):
+            if len(r.output_ids) >= r.sampling.max_new_tokens:
+                r.finish("length")
+                finish(p, r)
+    return p, steps
+
+
+def _admitted(steps: list[list[tuple[str, int, int]]]) -> list[tuple[int, list[str]]]:
+    """(step index, requests whose prompt starts there) for the queued requests."""
+    return [(k, [rid for rid, start, _ in items if rid.startswith("w") and start == 0])
+            for k, items in enumerate(steps)
+            if any(rid.startswith("w") and start == 0 for rid, start, _ in items)]
+
+
+def test_admission_waits_for_a_batch_of_free_slots():
+    """4 slots, 4 queued: r0 finishes after step 2 (its 3rd token), r1 after step 4. With a
+    batch of 2 the freed slot of r0 waits for r1's, and both queued requests are prefilled
+    in one step; without batching each is admitted in the step after its slot frees."""
+    _, steps = _admission_scenario(2, 32, [3, 5, 40, 40], waiting=4)
+    assert _admitted(steps) == [(5, ["w0", "w1"])]
+    assert [[rid for rid, _, _ in items] for items in steps[3:5]] == [["r1", "r2", "r3"]] * 2  # held
+    _, steps = _admission_scenario(1, 32, [3, 5, 40, 40], waiting=4)
+    assert _admitted(steps) == [(3, ["w0"]), (5, ["w1"])]
+
+
+def test_admission_is_held_at_most_max_wait_steps():
+    """Only r0 finishes: its slot is filled after 2 held plans (steps 3 and 4)."""
+    p, steps = _admission_scenario(2, 2, [3, 40, 40, 40], waiting=4)
+    assert _admitted(steps) == [(5, ["w0"])]
+    assert len(p.running) == 4 and [r.rid for r in p.waiting] == ["w1", "w2", "w3"]
+
+
+def test_a_queue_no_longer_than_the_free_slots_is_admitted_at_once():
+    """One queued request and a free slot: no batching delay (an unsaturated server)."""
+    _, steps = _admission_scenario(4, 32, [3, 40, 40, 40], waiting=1)
+    assert _admitted(steps) == [(3, ["w0"])]
+
+
+def test_admission_is_open_when_the_step_prefills_anyway():
+    """A running request still in chunked prefill makes the step eager: the queued request
+    joins it at once although only one slot (< the batch of 2) is free."""
+    p = make_planner(num_pages=256, radix=False, budget=64, chunk=8, max_running=4, admit_batch=2)
+    a, b = make_req("a", _q(1, 4), max_new=40), make_req("b", _q(20, 4), max_new=40)
+    p.add(a)
+    p.add(b)
+    run_step(p)
+    long = make_req("long", list(range(100, 140)), max_new=4)  # 40 tokens: 5 chunks of 8
+    p.add(long)
+    assert ("long", 0, 8) in run_step(p)
+    p.add(make_req("c", _q(60, 4)))
+    p.add(make_req("d", _q(80, 4)))
+    items = run_step(p)  # long is in prefill; one slot is free, 2 wait
+    assert ("long", 8, 8) in items and ("c", 0, 4) in items and ("d", 0, 4) not in items
+    p.add(make_req("e", _q(120, 4)))
+    for _ in range(3):  # long's prefill: c's slot was the last, nothing more is admitted
+        run_step(p)
+    assert [r.rid for r in p.waiting] == ["d", "e"]
+
+
+def test_admission_batch_arguments_are_checked():
+    with pytest.raises(ValueError, match="admit_batch"):
+        make_planner(num_pages=8, admit_batch=0)

@@ -208,6 +208,8 @@ def test_overlap_feeds_the_token_in_flight_and_stops_at_max_new_tokens():
     assert s.cache.cached_pages == 1 and not s.has_work
     stats = s.stats()
     assert (stats.forward_steps, stats.decode_steps) == (4, 3) and stats.scheduler_busy_seconds > 0
+    # the prefill step's busy time is not in the decode steps' share
+    assert 0 < stats.scheduler_decode_busy_seconds < stats.scheduler_busy_seconds
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -275,3 +277,13 @@ def test_a_prompt_is_cached_when_launched_so_the_next_plan_reuses_it_under_overl
     outs = {o.rid: o for o in run(s)}
     assert (outs["a"].cached_tokens, outs["b"].cached_tokens) == (0, 32)
     assert s.violations == []
+
+
+def test_admission_batching_default_needs_cuda_graphs():
+    """Batched admission pays only where decode steps replay CUDA graphs: off for a runner
+    without them, the flag's value when given."""
+    assert make(StubRunner()).planner.admit_batch == 1
+    assert make(StubRunner(), admit_batch_size=5, admit_max_wait_steps=3).planner.admit_batch == 5
+    runner = StubRunner()
+    runner.graph_runner = object()
+    assert make(runner, max_running_requests=256).planner.admit_batch == 32

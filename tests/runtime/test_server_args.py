@@ -43,6 +43,8 @@ def test_unusable_api_key_is_a_usage_error(monkeypatch, capsys, key):
 @pytest.mark.parametrize("argv, message", [
     (["--max-queued-requests", "-1"], "--max-queued-requests must be >= 0"),
     (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1"),
+    (["--admit-batch-size", "0"], "--admit-batch-size must be >= 1"),
+    (["--admit-max-wait-steps", "-1"], "--admit-max-wait-steps must be >= 0"),
 ])
 def test_limit_flags_out_of_range_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
