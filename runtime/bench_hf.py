@@ -33,6 +33,8 @@ from radixlm.runtime.bench_serving import RequestOutput
 
 __all__ = ["run_hf", "load_model", "prompt_ids"]
 
+PROGRESS_EVERY_S = 30.0  # generate_batch prints its progress this often (seconds)
+
 
 def load_model(model_path: str, device: str, dtype: str, attn_implementation: str) -> Any:
     """The transformers causal LM of ``model_path`` on ``device`` in ``dtype``, eval mode."""
@@ -119,8 +121,12 @@ def run_generate_batch(model: Any, ids: list[list[int]], requests: Sequence[Benc
         start = time.perf_counter()
         for i, (x, req) in enumerate(zip(ids, requests, strict=True)):
             manager.add_request(x, request_id=f"bench-{i}", max_new_tokens=req.output_len)
-        pending = len(ids)
+        pending, done_tokens, report = len(ids), 0, start + PROGRESS_EVERY_S
         while pending:
+            if time.perf_counter() > report:  # a long baseline run shows how far it got
+                report += PROGRESS_EVERY_S
+                print(f"generate_batch: {len(ids) - pending}/{len(ids)} requests finished, "
+                      f"{done_tokens} output tokens, {time.perf_counter() - start:.0f} s", flush=True)
             result = manager.get_result(timeout=1)
             if result is None:
                 if not manager.is_running():
@@ -133,6 +139,7 @@ def run_generate_batch(model: Any, ids: list[list[int]], requests: Sequence[Benc
             out.success = result.error is None
             out.error = result.error or ""
             out.output_len = len(result.generated_tokens)
+            done_tokens += out.output_len
             pending -= 1
         duration = time.perf_counter() - start
     for out in outputs:
