@@ -105,13 +105,16 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
 
 
 def build_checkpoint(
-    shape: str, tokenizer_dir: Path, root: Path, dtype: torch.dtype = torch.bfloat16
+    shape: str, tokenizer_dir: Path, root: Path, dtype: torch.dtype = torch.bfloat16,
+    vocab: int | None = None,
 ):
-    """Random weights (std 0.02, as Llama's init) saved with save_pretrained in ``dtype``."""
+    """Random weights (std 0.02, as Llama's init) saved with save_pretrained in ``dtype``;
+    ``vocab`` overrides the shape's vocabulary size."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = root / shape
-    config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2)
+    out = root / (shape if vocab is None else f"{shape}-v{vocab}")
+    overrides = {} if vocab is None else {"vocab_size": vocab}
+    config = LlamaConfig(**{**SHAPES[shape], **overrides}, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = cast_parameters(LlamaForCausalLM(config), dtype).eval()

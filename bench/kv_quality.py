@@ -237,6 +237,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--probe-trials", type=int, default=3)
     ap.add_argument("--probe-len", type=int, default=7900)
+    ap.add_argument("--probe-max-new-tokens", type=int, default=32,
+                    help="greedy answer length (10 cut 'The secret code ... is:' before the number)")
     ap.add_argument("--probe-dtypes", default=None, help="default: --dtypes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto")
@@ -311,7 +313,7 @@ def main() -> None:
             trials = []
             for ids, code, depth in prompts:
                 answer = runner.tokenizer.decode(
-                    runner.greedy(runner.pool(name), ids, 10, args.chunk)
+                    runner.greedy(runner.pool(name), ids, args.probe_max_new_tokens, args.chunk)
                 )
                 trials.append({"depth": round(depth, 3), "len": len(ids), "code": code, "answer": answer,
                                "pass": code in answer})  # fmt: skip

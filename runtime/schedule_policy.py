@@ -46,7 +46,6 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from operator import attrgetter
 
 from radixlm.runtime.preemption import OutputLengthEstimator, choose_victim
@@ -66,13 +65,7 @@ class ScheduleItem:
     req: Req
     start: int
     num_tokens: int
-
-    @cached_property
-    def samples(self) -> bool:
-        """True if this pass reaches the end of the sequence, so a token is sampled. Read
-        several times per step (planner, runner, scheduler), computed once: the sequence
-        does not change between planning and launching the step."""
-        return self.start + self.num_tokens == self.req.seq_len
+    samples: bool  # the pass reaches the end of the sequence (``req.seq_len``): a token is sampled
 
 
 @dataclass
@@ -227,7 +220,8 @@ class BatchPlanner:
         return True
 
     def _schedule(self, decision: ScheduleDecision, req: Req, n: int) -> None:
-        decision.items.append(ScheduleItem(req, req.num_computed, n))
+        start = req.num_computed
+        decision.items.append(ScheduleItem(req, start, n, start + n == req.seq_len))
         req.last_scheduled_step = self.step
 
     def _chunk(self, req: Req, budget: int) -> int:

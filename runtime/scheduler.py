@@ -216,23 +216,24 @@ class Scheduler:
     def _advance(self, step: PendingStep) -> None:
         """Bookkeeping of a launched step, before its results are known: computed tokens
         advance, sampled tokens are in flight. Records what the results will need."""
-        step.was_prefill, step.ends_prefill = [], []
+        was_prefill, ends_prefill, recomputed = [], [], 0
         for item in step.items:
             req = item.req
-            was_prefill = req.in_prefill
-            end = req.num_computed + item.num_tokens
-            self.counters["recomputed"] += max(0, min(req.max_computed, end) - req.num_computed)
+            start, end, n_prompt = req.num_computed, req.num_computed + item.num_tokens, len(req.prompt_ids)
+            recomputed += max(0, min(req.max_computed, end) - start)
             req.num_computed, req.max_computed = end, max(req.max_computed, end)
             if item.samples:
                 req.num_inflight += 1
-            step.was_prefill.append(was_prefill)
-            step.ends_prefill.append(was_prefill and not req.in_prefill)
-            if step.ends_prefill[-1]:
+            was_prefill.append(start < n_prompt)
+            ends_prefill.append(start < n_prompt <= end)
+            if start < n_prompt <= end:
                 # Share the prompt's pages now, not when the results are read: a waiting
                 # request with the same prefix may be planned before that (overlap) and
                 # must find it cached. The KV is still being computed, but every later
                 # step that reads it runs after this one on the device.
                 self.cache.cache(req)
+        self.counters["recomputed"] += recomputed
+        step.was_prefill, step.ends_prefill = was_prefill, ends_prefill
 
     def _safe_step(self) -> bool:
         """step(), but an exception (a bug, a device error) fails the requests in flight
@@ -255,29 +256,25 @@ class Scheduler:
         self._process_results(step, results)
 
     def _process_results(self, step: PendingStep, results: list[ItemResult]) -> None:
-        for k, (item, res) in enumerate(zip(step.items, results, strict=True)):
+        counters, interval = self.counters, self.args.stream_interval
+        for item, res, was_prefill, ends_prefill in zip(step.items, results, step.was_prefill,
+                                                        step.ends_prefill, strict=True):
             req = item.req
             if req.finished:  # finished or aborted after this step was launched: discard
                 continue
-            self._count(req, item.num_tokens, step.was_prefill[k])
+            counters["prefill_computed" if was_prefill else "decode"] += item.num_tokens
             if res.prompt_logprobs is not None:
                 req.prompt_logprobs.extend(res.prompt_logprobs)
                 req.prompt_top_logprobs.extend(res.prompt_top_logprobs or [None] * len(res.prompt_logprobs))
-            if step.ends_prefill[k] and not req.output_ids:  # first pass through the prompt
-                self.counters["prefill_cached"] += req.cached_tokens
+            if ends_prefill and not req.output_ids:  # first pass through the prompt
+                counters["prefill_cached"] += req.cached_tokens
             if res.next_id is not None:
                 req.num_inflight -= 1
                 self._append_token(req, res)
             if req.finished:
                 self._finish(req)
-            elif req.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
+            elif req.stream and len(req.output_ids) - req.num_sent >= interval:
                 self._emit(req)
-
-    def _count(self, req: Req, n: int, was_prefill: bool) -> None:
-        if was_prefill:
-            self.counters["prefill_computed"] += n
-        else:
-            self.counters["decode"] += n
 
     def _append_token(self, req: Req, res: ItemResult) -> None:
         if req.sampling.max_new_tokens == 0:  # prompt scoring only
