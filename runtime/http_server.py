@@ -234,7 +234,7 @@ def api_error(exc: Exception) -> tuple[int, str, str | None, str] | None:
     if isinstance(exc, QueueFull):
         return 429, str(exc), None, "rate_limit_error"
     if isinstance(exc, SchedulerDied):
-        return 503, f"the scheduler process died: {exc}", None, "server_error"
+        return 503, f"the scheduler is not running: {exc}", None, "server_error"
     return None
 
 

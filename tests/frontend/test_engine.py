@@ -168,6 +168,7 @@ def test_shutdown_stops_the_threads_and_a_new_engine_works(engine):
     second.shutdown()
     worker.join(30)
     assert not worker.is_alive() and isinstance(failed[0], BackendError) and failed[0].status == 503, failed
+    assert "the scheduler is not running: the engine was shut down" in str(failed[0]), failed  # not "died"
     second.shutdown()  # idempotent
     with pytest.raises(BackendError, match="shut down"):
         complete.run(text="The capital of France is", backend=second)
