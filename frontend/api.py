@@ -120,13 +120,15 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, min_tokens: i
     ``stop`` string or a match of a ``stop_regex`` pattern. Unset parameters inherit the
     program's defaults. ``regex``, or ``json_schema`` (a JSON string or a dict), or
     ``ebnf`` constrains the output (the server must support it). With ``choices`` this is
-    ``select``. Raises re.error for an invalid ``regex`` or ``stop_regex``, ValueError if
-    more than one constraint is given."""
+    ``select``. Raises re.error for an invalid ``stop_regex`` (the server matches those with
+    Python's syntax), ValueError if more than one constraint is given. ``regex`` is the
+    grammar compiler's dialect (xgrammar: e.g. ``(?<name>...)`` groups, which Python's
+    ``re`` refuses), so it is not checked here: an invalid one is the server's 400 with the
+    compiler's message (BackendError)."""
     if choices is not None:
         return select(name, choices, choices_method=choices_method or token_length_normalized)
-    for pattern in [regex] + ([stop_regex] if isinstance(stop_regex, str) else list(stop_regex or [])):
-        if pattern is not None:
-            re.compile(pattern)
+    for pattern in [stop_regex] if isinstance(stop_regex, str) else list(stop_regex or []):
+        re.compile(pattern)
     if sum(c is not None for c in (regex, json_schema, ebnf)) > 1:
         raise ValueError("give at most one of regex, json_schema, ebnf")
     overrides = dict(max_new_tokens=max_tokens, min_new_tokens=min_tokens, stop=stop, stop_regex=stop_regex,

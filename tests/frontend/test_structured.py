@@ -76,3 +76,14 @@ def test_openai_backend_constrains_too(openai_backend, program, check):
 def test_two_constraints_are_refused():
     with pytest.raises(ValueError, match="at most one"):
         gen("x", regex="a+", json_schema="{}")
+
+
+def test_a_regex_in_the_grammar_compilers_dialect_is_not_refused_by_the_client(endpoint):
+    """``(?<year>...)`` is a named group for xgrammar (the server compiles it) but an error
+    for Python's ``re``: the DSL sends it instead of raising re.error."""
+    @function
+    def year(s):
+        s += user("In which year did the Apollo 11 mission land on the Moon?")
+        s += assistant(gen("year", max_tokens=8, regex=r"(?<year>[12][0-9]{3})"))
+
+    assert re.fullmatch(r"[12][0-9]{3}", year.run(temperature=0, backend=endpoint)["year"])
