@@ -1,0 +1,124 @@
+"""Offline ShareGPT through the scheduler in one process (no HTTP, no tokenizer process),
+with a per-step trace: where the wall time of a throughput run goes.
+
+The same N prompts as ``radixlm bench serving --dataset-name sharegpt --num-prompts N
+--seed S`` (and gpu_serving.py's offline run) are tokenized here and handed to a real
+``Scheduler`` + ``ModelRunner`` at once, each with ``max_new_tokens`` = its dataset reply's
+length and ``ignore_eos``, streamed. The loop is the scheduler process's own
+(``handle`` / ``_safe_step`` / encoding the step's outputs as ``_flush`` does), so the run
+differs from the served one only by the IPC send, the tokenizer process and the client.
+
+Each step records: wall seconds, items, new tokens, whether it only decodes, the
+scheduler's busy seconds (host work) and the seconds it waited for the device. The
+summary splits the wall time into prefill-carrying steps and decode steps by batch
+bucket, with host and wait shares; ``steps.csv`` holds every step.
+
+    . bench/gpu_env.sh && python3 bench/offline_trace.py --tokenizer-dir .gpu_tok \\
+        --dataset-path .gpu_data/sharegpt_subset.jsonl --server-args "--max-running-requests 1024 \\
+        --max-prefill-tokens 16384" --out $OUT
+
+On the CPU (``GPU_E2E_DEVICE=cpu``) use a tiny shape and few prompts (a dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
+
+from radixlm.runtime import messages as m  # noqa: E402
+from radixlm.runtime.bench_datasets import sharegpt_requests  # noqa: E402
+from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
+from radixlm.runtime.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.server_args import ServerArgs  # noqa: E402
+from radixlm.runtime.sharegpt import iter_records  # noqa: E402
+
+BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 1 << 30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokenizer-dir", type=Path, required=True)
+    ap.add_argument("--dataset-path", required=True)
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--models-root", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--server-args", default="", help="launch_server flags (after --model-path)")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=1, help="as gpu_serving.py's (the same prompts)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
+    requests = sharegpt_requests(list(iter_records(args.dataset_path)), tokenizer, args.num_prompts, args.seed)
+    model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16")
+    del model
+    server = ServerArgs.parse(["--model-path", str(model_dir), "--device", DEVICE, *args.server_args.split()])
+    runner = ModelRunner(server)
+    sched = Scheduler(server, runner)
+    msgs = [m.GenerateReq(rid=f"r{i}", input_ids=tokenizer.encode(r.prompt), stream=True,
+                          sampling=m.SamplingParams(max_new_tokens=r.output_len, ignore_eos=True))
+            for i, r in enumerate(requests)]
+    input_tokens = sum(len(g.input_ids) for g in msgs)
+
+    rows, counters = [], sched.counters
+    start = time.perf_counter()
+    for g in msgs:
+        sched.handle(g)
+    out_tokens = 0
+    while sched.has_work:
+        t0, busy0, steps0, decode0 = (time.perf_counter(), counters["busy_s"], counters["steps"],
+                                      counters["decode_steps"])
+        batch = len(sched.planner.running)
+        sched._safe_step()
+        if sched.outbox:  # what _flush sends, without the socket
+            m.encode(m.BatchOutput(outputs=sched.outbox))
+            out_tokens += sum(len(o.new_token_ids) for o in sched.outbox)
+            sched.outbox = []
+        t1 = time.perf_counter()
+        if counters["steps"] > steps0:
+            rows.append({"t": t0 - start, "wall_s": t1 - t0, "running_before": batch,
+                         "decode": counters["decode_steps"] > decode0, "busy_s": counters["busy_s"] - busy0,
+                         "wait_s": sched._waited, "running_after": len(sched.planner.running)})
+    total = time.perf_counter() - start
+
+    def part(sel: list[dict]) -> dict:
+        wall = sum(r["wall_s"] for r in sel)
+        return {"steps": len(sel), "wall_s": round(wall, 3), "busy_s": round(sum(r["busy_s"] for r in sel), 3),
+                "wait_s": round(sum(r["wait_s"] for r in sel), 3),
+                "ms_per_step": round(wall / len(sel) * 1e3, 3) if sel else None}
+
+    decode = [r for r in rows if r["decode"]]
+    buckets = {}
+    for lo, hi in itertools.pairwise(BUCKETS):
+        sel = [r for r in decode if lo <= r["running_before"] < hi]
+        if sel:
+            buckets[f"{lo}-{hi - 1}"] = part(sel)
+    summary = {
+        "device": DEVICE, "shape": args.shape, "server_args": args.server_args, "num_prompts": args.num_prompts,
+        "date": time.strftime("%Y-%m-%d %H:%M"), "duration_s": round(total, 3),
+        "input_tokens": input_tokens, "output_tokens": out_tokens,
+        "output_throughput": round(out_tokens / total, 1),
+        "prefill_steps": part([r for r in rows if not r["decode"]]), "decode_steps": part(decode),
+        "decode_by_running": buckets, "outside_steps_s": round(total - sum(r["wall_s"] for r in rows), 3),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = "_".join(args.server_args.replace("--", "").split()) or "default"
+    (args.out / f"offline_trace_{tag}.json").write_text(json.dumps(summary, indent=1))
+    with open(args.out / f"offline_trace_{tag}_steps.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
