@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import itertools
 import json
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
@@ -41,6 +44,19 @@ from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 from radixlm.runtime.sharegpt import iter_records  # noqa: E402
 
 BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 1 << 30)
+# Timed per step ("owner.method"): the planner, the launch and its parts, the results.
+PHASES = ("planner.plan", "runner.launch", "runner._sampling_batch", "model.compute_logits",
+          "graphs.replay", "scheduler._advance", "scheduler._process_results")
+
+
+def _timed(fn, acc: dict, name: str):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[name] += time.perf_counter() - t0
+    return wrapper
 
 
 def main() -> None:
@@ -52,6 +68,7 @@ def main() -> None:
     ap.add_argument("--server-args", default="", help="launch_server flags (after --model-path)")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1, help="as gpu_serving.py's (the same prompts)")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the run (A/B)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -70,6 +87,26 @@ def main() -> None:
     input_tokens = sum(len(g.input_ids) for g in msgs)
 
     rows, counters = [], sched.counters
+    phase_s = {name: 0.0 for name in PHASES}
+    for name in PHASES:  # host seconds per step in each phase (no device sync added)
+        owner = {"planner": sched.planner, "runner": runner, "model": runner.model,
+                 "graphs": runner.graph_runner, "scheduler": sched}[name.split(".")[0]]
+        if owner is not None:
+            setattr(owner, name.split(".")[1], _timed(getattr(owner, name.split(".")[1]), phase_s, name))
+    gc_s, gc_n, gc_t0 = [0.0, 0.0, 0.0], [0, 0, 0], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:  # time every collection, by generation
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+        else:
+            gc_s[info["generation"]] += time.perf_counter() - gc_t0[0]
+            gc_n[info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    mem0 = torch.cuda.memory_stats() if DEVICE == "cuda" else {}
     start = time.perf_counter()
     for g in msgs:
         sched.handle(g)
@@ -78,6 +115,9 @@ def main() -> None:
         t0, busy0, steps0, decode0 = (time.perf_counter(), counters["busy_s"], counters["steps"],
                                       counters["decode_steps"])
         batch = len(sched.planner.running)
+        gc_before = sum(gc_s)
+        for name in phase_s:
+            phase_s[name] = 0.0
         sched._safe_step()
         if sched.outbox:  # what _flush sends, without the socket
             m.encode(m.BatchOutput(outputs=sched.outbox))
@@ -87,13 +127,18 @@ def main() -> None:
         if counters["steps"] > steps0:
             rows.append({"t": t0 - start, "wall_s": t1 - t0, "running_before": batch,
                          "decode": counters["decode_steps"] > decode0, "busy_s": counters["busy_s"] - busy0,
-                         "wait_s": sched._waited, "running_after": len(sched.planner.running)})
+                         "wait_s": sched._waited, "running_after": len(sched.planner.running),
+                         "gc_s": sum(gc_s) - gc_before, **phase_s})
     total = time.perf_counter() - start
+    gc.callbacks.remove(on_gc)
+    mem1 = torch.cuda.memory_stats() if DEVICE == "cuda" else {}
+    mem = {k: mem1.get(k, 0) - mem0.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams",
+                                                      "num_device_alloc", "num_device_free")}
 
     def part(sel: list[dict]) -> dict:
         wall = sum(r["wall_s"] for r in sel)
-        return {"steps": len(sel), "wall_s": round(wall, 3), "busy_s": round(sum(r["busy_s"] for r in sel), 3),
-                "wait_s": round(sum(r["wait_s"] for r in sel), 3),
+        return {"steps": len(sel), "wall_s": round(wall, 3),
+                **{k: round(sum(r[k] for r in sel), 3) for k in ("busy_s", "wait_s", "gc_s", *PHASES)},
                 "ms_per_step": round(wall / len(sel) * 1e3, 3) if sel else None}
 
     decode = [r for r in rows if r["decode"]]
@@ -109,9 +154,12 @@ def main() -> None:
         "output_throughput": round(out_tokens / total, 1),
         "prefill_steps": part([r for r in rows if not r["decode"]]), "decode_steps": part(decode),
         "decode_by_running": buckets, "outside_steps_s": round(total - sum(r["wall_s"] for r in rows), 3),
+        "gc": {"collections": gc_n, "seconds": [round(x, 3) for x in gc_s], "frozen": gc.get_freeze_count(),
+               "tracked_objects_at_end": len(gc.get_objects())},
+        "cuda_allocator": mem,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = "_".join(args.server_args.replace("--", "").split()) or "default"
+    tag = ("_".join(args.server_args.replace("--", "").split()) or "default") + ("_gcfreeze" if args.gc_freeze else "")
     (args.out / f"offline_trace_{tag}.json").write_text(json.dumps(summary, indent=1))
     with open(args.out / f"offline_trace_{tag}_steps.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -278,8 +278,9 @@ class ModelRunner:
         key = tuple(reqs)
         if self._sampling_cache is not None and self._sampling_cache[0] == key:
             return self._sampling_cache[1]
-        sb = SamplingBatch.build([_sampling_info(req) for req in reqs], self.device)
-        stateless = all(req.sampling.seed is None and not has_penalties(req.sampling) for req in reqs)
+        infos = [req.sampling_info or _sampling_info(req) for req in reqs]
+        sb = SamplingBatch.build(infos, self.device)
+        stateless = all(req.sampling_info is not None for req in reqs)
         self._sampling_cache = (key, sb) if stateless else None
         return sb
 
@@ -457,13 +458,20 @@ def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
 
 
 def _sampling_info(req: Req) -> SamplingInfo:
+    """The request's SamplingInfo for this step. A request with no per-step state (no seed,
+    no penalty) keeps its one in ``req.sampling_info``: a batch whose members change every
+    step (large batches: some request finishes every step) rebuilds its SamplingBatch from
+    cached rows, not from new validated objects."""
     sp = req.sampling
-    return SamplingInfo(
+    info = SamplingInfo(
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
         repetition_penalty=sp.repetition_penalty, frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty, seed=sp.seed, step=len(req.output_ids) + req.num_inflight,
         output_ids=req.output_ids, prompt_ids=req.prompt_ids,
     )
+    if sp.seed is None and not has_penalties(sp):
+        req.sampling_info = info
+    return info
 
 
 def _eos_token_ids(model_dir: str, config, tokenizer) -> set[int]:

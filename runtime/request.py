@@ -75,6 +75,7 @@ class Req:
     grammar_ahead: list[tuple[int, bool]] = field(default_factory=list)
     _packed: array = field(default_factory=lambda: array("I"), repr=False)  # see token_array
     stop_text: Any = None  # IncrementalDetokenizer of the output, kept by StopChecker for stop_regex
+    sampling_info: Any = None  # SamplingInfo of a request without per-step sampling state (model runner)
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:
