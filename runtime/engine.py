@@ -198,7 +198,8 @@ class LocalServer:
                 asyncio.run_coroutine_threadsafe(_close(events, ticket), self._loop).result(STOP_TIMEOUT_S)
 
     async def _open_stream(self, body: dict[str, Any]) -> Any:
-        return native_generate_stream(self.tm, self.metrics, GenerateRequest.model_validate(body))
+        return native_generate_stream(self.tm, self.metrics, GenerateRequest.model_validate(body),
+                                      self.args.stream_output)
 
     def __enter__(self) -> LocalServer:
         return self

@@ -214,7 +214,7 @@ def create_app(tm: TokenizerManager, metrics: Metrics, args: ServerArgs, model_p
     if args.api_key is not None:  # added last = outermost: a refused client is never read
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     _install_error_handlers(app)
-    _install_native_routes(app, tm, metrics)
+    _install_native_routes(app, tm, metrics, args.stream_output)
     _install_info_routes(app, tm, args, model_path)
     from radixlm.runtime.openai_api import install_openai_routes
 
@@ -294,6 +294,7 @@ class _NativeResult:
         self.top: list = []
         self.last: SampleChunk | None = None
         self.start = gen.created  # when the request was validated, not when results were gathered
+        self._sent = (0, 0)  # (characters, tokens) already sent as segments (--stream-output)
 
     def add(self, c: SampleChunk) -> None:
         self.text += c.text
@@ -313,7 +314,17 @@ class _NativeResult:
     def _tops(self, tops: list) -> list:
         return [None if t is None else [[lp, i, self._tok(i)] for i, lp in t] for t in tops]
 
-    def body(self) -> dict[str, Any]:
+    def segment(self) -> dict[str, Any]:
+        """``body()`` of what arrived since the last segment (``--stream-output``: disjoint
+        ``text`` / ``output_ids`` / output logprobs; prompt logprobs in the first segment only;
+        ``completion_tokens`` stays the total)."""
+        out = self.body(self._sent)
+        self._sent = (len(self.text), len(self.ids))
+        return out
+
+    def body(self, since: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+        """The response so far, from character / token ``since`` on (default: all of it)."""
+        chars, toks = since
         c = self.last
         meta: dict[str, Any] = {
             "id": f"{self.gen.rid}-{self.index}" if self.gen.n > 1 else self.gen.rid,
@@ -324,14 +335,17 @@ class _NativeResult:
             "e2e_latency": time.perf_counter() - self.start,
         }
         if self.gen.return_logprob:  # input_* are empty without prompt logprobs (logprob_start_len -1)
-            meta["output_token_logprobs"] = self._triples(self.logprobs, self.ids)
+            meta["output_token_logprobs"] = self._triples(self.logprobs[toks:], self.ids[toks:])
             start = self.gen.logprob_start_len
-            plp = getattr(self, "prompt_logprobs", None) or []
+            plp = (getattr(self, "prompt_logprobs", None) or []) if since == (0, 0) else []
             meta["input_token_logprobs"] = self._triples(plp, self.gen.input_ids[start:]) if start >= 0 else []
             if self.gen.top_logprobs_num:
-                meta["input_top_logprobs"] = self._tops(getattr(self, "prompt_top", None) or [])
-                meta["output_top_logprobs"] = self._tops(self.top)
-        return {"text": self.text, "output_ids": self.ids, "meta_info": meta}
+                ptop = (getattr(self, "prompt_top", None) or []) if since == (0, 0) else []
+                meta["input_top_logprobs"] = self._tops(ptop)
+                meta["output_top_logprobs"] = self._tops(self.top[toks:])
+        if since == (0, 0):
+            return {"text": self.text, "output_ids": self.ids, "meta_info": meta}
+        return {"text": self.text[chars:], "output_ids": self.ids[toks:], "meta_info": meta}
 
 
 def _native_finish(c: SampleChunk | None) -> dict[str, Any] | None:
@@ -344,7 +358,7 @@ def _native_finish(c: SampleChunk | None) -> dict[str, Any] | None:
     return {"type": "abort", "message": c.error}
 
 
-def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) -> None:
+def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics, stream_output: bool) -> None:
     @app.get("/health")
     async def health() -> Response:
         if tm.dead:
@@ -384,7 +398,7 @@ def _install_native_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics)
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         if body.stream:
-            ticket, events = native_generate_stream(tm, metrics, body)
+            ticket, events = native_generate_stream(tm, metrics, body, stream_output)
             return HeldStream(_sse_stream(events), ticket)
         out = await native_generate(tm, metrics, body, lambda chunks: collect_until_disconnect(request, chunks))
         return Response(status_code=CLIENT_CLOSED) if out is None else JSONResponse(out)
@@ -424,13 +438,13 @@ async def native_generate(tm: TokenizerManager, metrics: Metrics, body: Generate
     return results[0] if single else results
 
 
-def native_generate_stream(tm: TokenizerManager, metrics: Metrics,
-                           body: GenerateRequest) -> tuple[Ticket, AsyncIterator[dict[str, Any]]]:
+def native_generate_stream(tm: TokenizerManager, metrics: Metrics, body: GenerateRequest,
+                           segments: bool = False) -> tuple[Ticket, AsyncIterator[dict[str, Any]]]:
     """A streaming native ``/generate``: its admission ticket (the caller releases it when
-    the stream ends, however it ends) and its events (see ``_native_stream``). Raises
-    InvalidRequest, QueueFull."""
+    the stream ends, however it ends) and its events (see ``_native_stream``; ``segments``:
+    ``--stream-output``). Raises InvalidRequest, QueueFull."""
     gens = _native_gens(tm, body)
-    return tm.admit(gens), _native_stream(tm, gens, body, metrics)
+    return tm.admit(gens), _native_stream(tm, gens, body, metrics, segments)
 
 
 async def _sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -485,10 +499,12 @@ def _internal_state(stats: SchedulerStats | None) -> dict[str, Any]:
 
 
 async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: GenerateRequest,
-                         metrics: Metrics) -> AsyncIterator[dict[str, Any]]:
+                         metrics: Metrics, segments: bool = False) -> AsyncIterator[dict[str, Any]]:
     """SGLang-style stream events: each carries the cumulative ``text`` and ``output_ids``
-    of one sample with its ``index``; a failure mid-stream is a last ``{"error": ...}``
-    event (HTTP sends each as SSE, then ``data: [DONE]``)."""
+    of one sample with its ``index`` (``segments``, SGLang's ``--stream-output``: only what
+    is new since that sample's last event; a long reply then costs O(n), not O(n^2), to
+    encode, send and parse); a failure mid-stream is a last ``{"error": ...}`` event (HTTP
+    sends each as SSE, then ``data: [DONE]``)."""
     base = 0
     try:
         for gen in gens:
@@ -498,7 +514,8 @@ async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: Gener
                     res[c.index].add(c)
                     metrics.observe_chunk(gen, c)
                     if c.text or c.finished:
-                        yield {**res[c.index].body(), "index": base + c.index}
+                        r = res[c.index]
+                        yield {**(r.segment() if segments else r.body()), "index": base + c.index}
             base += gen.n
     except SchedulerDied as exc:
         yield {"error": {"message": str(exc), "type": "server_error", "code": 503}}

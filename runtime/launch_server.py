@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -31,7 +32,7 @@ from radixlm.runtime.http_server import create_app
 from radixlm.runtime.ipc import MsgSocket, new_ipc_address
 from radixlm.runtime.metrics import Metrics
 from radixlm.runtime.model_loader import default_gguf_path
-from radixlm.runtime.scheduler import run_scheduler_process
+from radixlm.runtime.scheduler import freeze_startup_objects, run_scheduler_process
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.tokenizer_manager import TokenizerManager
 
@@ -137,6 +138,7 @@ async def _serve(args: ServerArgs) -> int:
 async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, recv: MsgSocket,
                     proc: mp.Process) -> int:
     tm = make_tokenizer_manager(args, ready, send, recv)
+    freeze_startup_objects()  # the HTTP process's imports and tokenizer, as the scheduler's
     name = tm.model_name
     app = create_app(tm, Metrics(name), args, args.model_path or str(default_gguf_path()))
     loop_kind = "uvloop" if _has_uvloop() else "asyncio"
@@ -154,6 +156,7 @@ async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, 
     finally:
         for t in tasks:
             t.cancel()
+        gc.unfreeze()
     if not server.started and state["exit_code"] == 0:
         return 1  # e.g. the port was taken
     return state["exit_code"]

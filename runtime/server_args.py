@@ -215,6 +215,11 @@ class ServerArgs:
         False, "Check pool/tree invariants after every scheduler step (slow; tests use it)."
     )
     stream_interval: int = _opt(1, "Send streamed output every N decode steps.")
+    stream_output: bool = _opt(
+        False, "Native /generate streams disjoint segments: each event carries only the text, "
+        "output_ids and output logprobs new since the previous one (SGLang's --stream-output); "
+        "off: each event carries everything so far (SGLang's default). OpenAI streams are always deltas."
+    )
     model_cache_dir: str | None = _opt(
         None, "Where converted GGUF models are stored (default ~/.cache/radixlm/models)."
     )

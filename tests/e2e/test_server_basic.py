@@ -6,6 +6,8 @@ import json
 
 import openai
 
+from radixlm.runtime.cli import main as cli_main
+
 PROMPT = "List three facts about the Moon. " * 8  # ~64 tokens
 
 
@@ -67,6 +69,37 @@ def test_generate_stream_is_cumulative_and_ends_with_done(server, idle_invariant
     assert texts[-1] == full["text"]
     assert events[-1]["output_ids"] == full["output_ids"]
     idle_invariants(server)
+
+
+def test_stream_output_sends_disjoint_segments(server_factory, idle_invariants, tmp_path):
+    """--stream-output (SGLang's): each native event carries only the new text, ids and
+    output logprobs; they concatenate to the non-streamed response. The bench client reads
+    the flag from /get_server_info and counts every token once."""
+    body = {"text": "Count: one, two,", "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    with server_factory(stream_output=True, max_total_tokens=4096) as srv, srv.client() as c:
+        assert c.get("/get_server_info").json()["stream_output"] is True
+        full = _generate(c, **body)
+        with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        events = [json.loads(ln[6:]) for ln in lines[:-1]]
+        assert len(events) > 1
+        assert "".join(e["text"] for e in events) == full["text"]
+        assert sum((e["output_ids"] for e in events), []) == full["output_ids"]
+        assert [len(e["output_ids"]) for e in events] == [1] * 12  # one token per event here
+        logprobs = sum((e["meta_info"]["output_token_logprobs"] for e in events), [])
+        assert logprobs == full["meta_info"]["output_token_logprobs"]
+        assert events[0]["meta_info"]["input_token_logprobs"] == full["meta_info"]["input_token_logprobs"]
+        assert all(e["meta_info"]["input_token_logprobs"] == [] for e in events[1:])
+        assert [e["meta_info"]["completion_tokens"] for e in events] == list(range(1, 13))
+        out = tmp_path / "records.jsonl"
+        cli_main(["bench", "serving", "--base-url", srv.url, "--disable-tqdm", "--output-file", str(out),
+                  "--backend", "radixlm", "--dataset-name", "random", "--num-prompts", "4",
+                  "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1.0"])
+        rec = json.loads(out.read_text().splitlines()[-1])
+        assert rec["completed"] == 4 and rec["total_output_tokens"] == 32
+        assert rec["mean_itl_ms"] > 0
+        idle_invariants(srv)
 
 
 def test_health_generate_and_batch_prompts_match_singles(server, idle_invariants):

@@ -4,6 +4,7 @@ streams; and it shuts down cleanly, so a second one can start."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import re
 import threading
@@ -148,6 +149,12 @@ def test_streaming_yields_the_whole_text_and_an_early_close_aborts(engine):
     stream.close()  # aborts the generation: its slot and queue are gone at once
     tm = engine.server.tm
     assert tm.held_samples == 0 and tm.queues == {}
+
+
+def test_the_scheduler_froze_the_start_up_objects(engine):
+    # serve_scheduler's gc.freeze (freeze_startup_objects): full collections while serving
+    # skip the imports and the model (nothing else in this process freezes)
+    assert gc.get_freeze_count() > 10_000
 
 
 def test_shutdown_stops_the_threads_and_a_new_engine_works(engine):
