@@ -67,6 +67,8 @@ class RuntimeEndpoint(Backend):
         self.http = http
         self.model_info: dict[str, Any] = self.http.get("/get_model_info")
         self._tokenizer_path = tokenizer_path or self.model_info.get("tokenizer_path")
+        # --stream-output: events carry disjoint segments; else the text so far (SGLang's default)
+        self._segments = bool(self.model_info.get("stream_output"))
         self._tokenizer: HFTokenizer | None = None
         self._template: ChatTemplate | None = None
         self._lock = threading.Lock()
@@ -106,7 +108,10 @@ class RuntimeEndpoint(Backend):
     def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
         sent = 0
         for event in self.http.stream("/generate", self._body(prompt, params, stream=True)):
-            text = event["text"]  # cumulative, as SGLang streams it
+            text = event["text"]
+            if self._segments:
+                yield text, event["meta_info"]
+                continue
             yield text[sent:], event["meta_info"]
             sent = len(text)
 

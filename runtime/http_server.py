@@ -460,7 +460,8 @@ def model_info(tm: TokenizerManager, args: ServerArgs, model_path: str) -> dict[
     return {"model_path": model_path, "tokenizer_path": args.tokenizer_path or r.model_dir,
             "model_dir": r.model_dir, "served_model_name": tm.model_name, "is_generation": True,
             "context_length": r.context_length, "page_size": r.page_size,
-            "max_total_tokens": r.max_total_tokens, "device": r.device, "dtype": r.dtype}
+            "max_total_tokens": r.max_total_tokens, "device": r.device, "dtype": r.dtype,
+            "stream_output": args.stream_output}  # how native streams read (the DSL's endpoint)
 
 
 def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, model_path: str) -> None:

@@ -6,6 +6,7 @@ import json
 
 import openai
 
+from radixlm.frontend import RuntimeEndpoint, function, gen
 from radixlm.runtime.cli import main as cli_main
 
 PROMPT = "List three facts about the Moon. " * 8  # ~64 tokens
@@ -99,7 +100,18 @@ def test_stream_output_sends_disjoint_segments(server_factory, idle_invariants, 
         rec = json.loads(out.read_text().splitlines()[-1])
         assert rec["completed"] == 4 and rec["total_output_tokens"] == 32
         assert rec["mean_itl_ms"] > 0
+        # the DSL's endpoint reads stream_output from /get_model_info and joins the segments
+        endpoint = RuntimeEndpoint(srv.url)
+        reference = _story.run(backend=endpoint)["a"]
+        pieces = list(_story.run(backend=endpoint, stream=True).text_iter("a"))
+        assert len(pieces) > 1 and "".join(pieces) == reference
         idle_invariants(srv)
+
+
+@function
+def _story(s):
+    s += "Once upon a time,"
+    s += gen("a", max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def test_health_generate_and_batch_prompts_match_singles(server, idle_invariants):
