@@ -157,8 +157,9 @@ class ServerArgs:
         "lpm",
         "Order in which waiting requests are admitted (runtime/waiting_order.py): 'fcfs' "
         "(arrival), 'lpm' (longest cached prefix first), 'dfs-weight' (depth-first over the "
-        "radix tree, the branch with the most waiting requests first). Requires the radix "
-        "cache; see BENCHMARKS.md for the comparison.",
+        "radix tree, the branch with the most waiting requests first), 'lof' (longest "
+        "max_new_tokens first: for offline throughput). lpm and dfs-weight need the radix "
+        "cache (fcfs without it); see BENCHMARKS.md for the comparison.",
         SCHEDULE_POLICIES,
     )
     schedule_max_wait_s: float = _opt(

@@ -3,6 +3,10 @@
 Policies (SGLang's names, ``--schedule-policy``):
 
 * ``fcfs``: arrival order.
+* ``lof``: longest output first: the largest ``max_new_tokens`` first, ties by arrival
+  (SGLang's ``lof``). For throughput runs: the requests that need the most sequential
+  decode steps start first, so fewer steps run a nearly empty batch at the end (longest
+  processing time first, the classic makespan heuristic). Ignores the radix tree.
 * ``lpm``: longest prefix match first (most tokens already cached), ties by arrival.
 * ``dfs-weight``: depth-first over the radix tree; at each node the branch holding the
   most requests (its weight) goes first, deeper matches before the requests hanging at
@@ -52,7 +56,8 @@ from radixlm.runtime.request import Req
 
 __all__ = ["SCHEDULE_POLICIES", "WaitingOrder"]
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
+_CACHE_AGNOSTIC = ("fcfs", "lof")  # policies that do not read the radix tree
 _by_arrival = attrgetter("arrival")
 Bucket = tuple[TreeNode, Key]
 
@@ -79,7 +84,7 @@ class WaitingOrder:
 
     The planner keeps its arrival-sorted ``waiting`` list and tells this object about
     every request added, admitted or removed; ``candidates`` yields the admission order.
-    Without a tree (radix cache off) every policy is ``fcfs``.
+    Without a tree (radix cache off) the cache-aware policies are ``fcfs``.
     """
 
     def __init__(
@@ -93,7 +98,7 @@ class WaitingOrder:
     ) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}; choose from {SCHEDULE_POLICIES}")
-        self.policy = policy if tree is not None else "fcfs"
+        self.policy = policy if tree is not None or policy in _CACHE_AGNOSTIC else "fcfs"
         self.tree = tree
         self.match_limit = match_limit
         self.max_wait_s, self.max_passes, self.clock = max_wait_s, max_passes, clock
@@ -105,27 +110,32 @@ class WaitingOrder:
         self._dirty: set[tuple[TreeNode, Key]] = set()
         self._removed: list[TreeNode] = []
         self._stale_all = False
-        self._heap: list[tuple[int, float, int, Req]] = []
+        self._heap: list[tuple[int, float, int, Req]] = []  # lpm; lof: (-max_new_tokens, arrival, seq, req)
+        self._lof_seq: dict[Req, int] = {}  # lof: each waiting request's live heap entry
         self._seq = itertools.count()
         self._head: Req | None = None
         self._head_passes = 0
         self._promoted: Req | None = None
         self._in_prefill: dict[Req, Bucket] = {}  # admitted, prefill maybe not finished
         self._busy: set[Bucket] = set()  # buckets being computed during this plan
-        if self.policy != "fcfs":
+        if self.cache_aware:
             tree.listener = self
 
     @property
     def cache_aware(self) -> bool:
-        return self.policy != "fcfs"
+        return self.policy not in _CACHE_AGNOSTIC
 
     # ----------------------------------------------------------------- membership
     def add(self, req: Req) -> None:
-        if self.cache_aware:
+        if self.policy == "lof":
+            seq = self._lof_seq[req] = next(self._seq)
+            heapq.heappush(self._heap, (-req.sampling.max_new_tokens, req.arrival, seq, req))
+        elif self.cache_aware:
             self._rehang(req, None)
 
     def remove(self, req: Req) -> None:
         """``req`` left the queue without being admitted (abort, finish, reject)."""
+        self._lof_seq.pop(req, None)
         hang = self._hang.pop(req, None)
         if hang is not None:
             self._unbucket(req, hang)
@@ -168,6 +178,8 @@ class WaitingOrder:
             order = self._fcfs(waiting)
         elif self.policy == "lpm":
             order = self._lpm()
+        elif self.policy == "lof":
+            order = self._lof()
         else:
             order = self._dfs(running)
         with_guard = self._promoted
@@ -223,6 +235,21 @@ class WaitingOrder:
             for entry in popped:
                 hang = self._hang.get(entry[3])
                 if hang is not None and hang.seq == entry[2]:
+                    heapq.heappush(self._heap, entry)
+
+    def _lof(self) -> Iterator[Req]:
+        """The heap in order; entries of requests gone are dropped, the rest put back."""
+        popped: list[tuple[int, float, int, Req]] = []
+        try:
+            while self._heap:
+                entry = heapq.heappop(self._heap)
+                if self._lof_seq.get(entry[3]) != entry[2]:
+                    continue  # admitted or removed since
+                popped.append(entry)
+                yield entry[3]
+        finally:
+            for entry in popped:
+                if self._lof_seq.get(entry[3]) == entry[2]:
                     heapq.heappush(self._heap, entry)
 
     def _dfs(self, running: list[Req]) -> Iterator[Req]:
@@ -343,6 +370,11 @@ class WaitingOrder:
     def check_invariants(self, waiting: list[Req]) -> None:
         """Every waiting request is indexed exactly once, at its current peek. Raises
         AssertionError (O(n) peeks: tests only)."""
+        if self.policy == "lof":
+            assert set(self._lof_seq) == set(waiting), "lof index and waiting queue differ"
+            live = [e for e in self._heap if self._lof_seq.get(e[3]) == e[2]]
+            assert len(live) == len(waiting), "a waiting request without one live heap entry"
+            return
         if not self.cache_aware:
             return
         self._refresh()

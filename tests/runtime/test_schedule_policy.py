@@ -550,7 +550,31 @@ def test_starvation_guard_after_max_wait():
     assert _order(p) == ["x", "s"]  # waited 5 s: the guard puts it first
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight"])
+@pytest.mark.parametrize("radix", [True, False])
+def test_lof_admits_the_longest_output_first(radix):
+    """lof: largest max_new_tokens first, ties by arrival, with or without the radix
+    cache; a preempted request goes back in at its place."""
+    p = make_planner(num_pages=64, radix=radix, max_running=2, schedule_policy="lof")
+    reqs = [make_req(rid, _q(100 * i, 9), max_new=n) for i, (rid, n) in
+            enumerate([("a", 4), ("b", 50), ("c", 9), ("d", 50), ("e", 1)])]
+    for r in reqs:
+        p.add(r)
+    assert p.order.policy == "lof" and _order(p) == ["b", "d", "c", "a", "e"]
+    assert [rid for rid, _, _ in run_step(p)] == ["b", "d"]  # two slots
+    p.order.check_invariants(p.waiting)
+    assert _order(p) == ["c", "a", "e"]
+    b = reqs[1]
+    p.running.remove(b)  # as a preemption does: KV released, back in the queue
+    p.cache.release(b, keep_in_cache=True)
+    p.add(b)
+    p.order.check_invariants(p.waiting)
+    assert _order(p) == ["b", "c", "a", "e"]
+    finish(p, reqs[2])  # c aborted while waiting
+    assert _order(p) == ["b", "a", "e"]
+    p.order.check_invariants(p.waiting)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lof"])
 def test_no_request_lost_under_pressure(policy):
     """Shared-prefix requests arriving shuffled into a small pool (evictions and
     preemptions): every request finishes exactly once and the index stays exact."""
