@@ -29,6 +29,10 @@ and ``--tokenizer-dir`` the carried SmolLM2 tokenizer files (as for gpu_e2e.py).
     . bench/gpu_env.sh && python3 bench/gpu_serving.py --tokenizer-dir .gpu_tok \\
         --dataset-path bench/sharegpt_subset.jsonl --out $OUT
 
+Streams: the benchmark client uses the native API; with ``--server-args "...
+--stream-output"`` the server sends disjoint segments instead of the whole text so far in
+every event (7 s of a 31 s 1000-prompt run went to the cumulative events, BENCHMARKS.md).
+
 Time: set N, M, ``--gsp-num-groups`` and the sweep to fit the budget; a step that would
 start after ``--budget-s`` (default 510) is skipped, ``summary.json`` is rewritten after
 every step with each step's seconds (``--skip-gsp`` / ``--skip-sweep`` / ``--skip-hf``
