@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -506,18 +507,16 @@ async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: Gener
     is new since that sample's last event; a long reply then costs O(n), not O(n^2), to
     encode, send and parse); a failure mid-stream is a last ``{"error": ...}`` event (HTTP
     sends each as SSE, then ``data: [DONE]``)."""
-    base = 0
-    try:
-        for gen in gens:
-            res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
-            async with contextlib.aclosing(tm.generate(gen)) as chunks:  # closed with us: aborts now
-                async for c in chunks:
-                    res[c.index].add(c)
-                    metrics.observe_chunk(gen, c)
-                    if c.text or c.finished:
-                        r = res[c.index]
-                        yield {**(r.segment() if segments else r.body()), "index": base + c.index}
-            base += gen.n
+    bases = list(itertools.accumulate((gen.n for gen in gens), initial=0))
+    res = [[_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)] for gen in gens]
+    try:  # the prompts of a batch run concurrently; events interleave, each with its index
+        async with contextlib.aclosing(tm.generate_all(gens)) as chunks:  # closed with us: aborts now
+            async for k, c in chunks:
+                r = res[k][c.index]
+                r.add(c)
+                metrics.observe_chunk(gens[k], c)
+                if c.text or c.finished:
+                    yield {**(r.segment() if segments else r.body()), "index": bases[k] + c.index}
     except SchedulerDied as exc:
         yield {"error": {"message": str(exc), "type": "server_error", "code": 503}}
     except InvalidRequest as exc:

@@ -24,6 +24,8 @@ Policies (documented in the README):
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -250,7 +252,7 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], 
                   created: int, chat: bool, echoes: list[Echo] | None = None) -> AsyncIterator[bytes]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     obj = "chat.completion.chunk" if chat else "text_completion"
-    usage, base = _Usage(), 0
+    usage = _Usage()
 
     def chunk(choice: dict[str, Any]) -> bytes:
         payload = {"id": rid, "object": obj, "created": created, "model": tm.model_name, "choices": [choice]}
@@ -258,26 +260,27 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], 
             payload["usage"] = None
         return sse(payload)
 
+    bases = list(itertools.accumulate((gen.n for gen in gens), initial=0))
+    offsets = [[0] * gen.n for gen in gens]
+    pending = [[_Choice(i, echoes[k] if echoes else None) for i in range(gen.n)]  # tokens not yet sent
+               for k, gen in enumerate(gens)]
     try:
-        for k, gen in enumerate(gens):
-            offsets = [0] * gen.n
-            if chat:
-                for i in range(gen.n):
-                    yield chunk({"index": base + i, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None})
-            echo = echoes[k] if echoes else None
-            pending: list[_Choice] = [_Choice(i, echo) for i in range(gen.n)]  # tokens not yet sent
-            async for c in tm.generate(gen):
-                metrics.observe_chunk(gen, c)
+        if chat:
+            for i in range(bases[-1]):
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+        # the prompts of a batch run concurrently; chunks interleave, each with its index
+        async with contextlib.aclosing(tm.generate_all(gens)) as chunks:
+            async for k, c in chunks:
+                metrics.observe_chunk(gens[k], c)
                 usage.add(c)
-                p = pending[c.index]
+                p = pending[k][c.index]
                 p.add(c)
                 if p.text:
-                    yield chunk(_stream_choice(tm, body, p, base, offsets, chat, None))
-                    pending[c.index] = p = _Choice(c.index)
+                    yield chunk(_stream_choice(tm, body, p, bases[k], offsets[k], chat, None))
+                    pending[k][c.index] = p = _Choice(c.index)
                 if c.finished:
-                    yield chunk(_stream_choice(tm, body, p, base, offsets, chat, _finish(c)))
-            base += gen.n
+                    yield chunk(_stream_choice(tm, body, p, bases[k], offsets[k], chat, _finish(c)))
     except SchedulerDied as exc:
         yield sse({"error": {"message": str(exc), "type": "server_error", "code": 503}})
         return

@@ -20,6 +20,7 @@ not the running limit, bounds its batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -259,30 +260,48 @@ class TokenizerManager:
 
     # ----------------------------------------------------------------- generation
     async def generate(self, gen: GenInput) -> AsyncIterator[SampleChunk]:
-        """Yield chunks of every sample until all have finished. Raises SchedulerDied."""
+        """Yield chunks of every sample until all have finished. Raises SchedulerDied,
+        InvalidRequest (request id in use)."""
+        async with contextlib.aclosing(self.generate_all([gen])) as chunks:
+            async for _, chunk in chunks:
+                yield chunk
+
+    async def generate_all(self, gens: list[GenInput]) -> AsyncIterator[tuple[int, SampleChunk]]:
+        """(k, chunk) for the samples of every ``gens[k]``: all are sent to the scheduler at
+        once and their chunks yielded as they arrive, so the prompts of a batch run
+        concurrently when streamed too. Closing the iterator aborts the samples not
+        finished. Raises SchedulerDied, InvalidRequest (request id in use)."""
         if self.dead:
             raise SchedulerDied(self.dead)
         queue: asyncio.Queue = asyncio.Queue()
-        if any(f"{gen.rid}-{i}" in self.queues for i in range(gen.n)):  # raced past validate()
-            raise InvalidRequest(f"request id {gen.rid!r} is already in use", "rid")
-        samples: list[_Sample] = []
+        for gen in gens:
+            if any(f"{gen.rid}-{i}" in self.queues for i in range(gen.n)):  # raced past validate()
+                raise InvalidRequest(f"request id {gen.rid!r} is already in use", "rid")
+        started: list[tuple[str, list[_Sample]]] = []
+        flat: list[tuple[int, _Sample]] = []  # queue index -> (gen index, sample)
         try:
-            self._start_samples(gen, queue, samples)
-            remaining = len(samples)
+            for k, gen in enumerate(gens):
+                samples: list[_Sample] = []
+                started.append((gen.rid, samples))
+                self._start_samples(gen, queue, samples, len(flat))
+                flat += [(k, sample) for sample in samples]
+            remaining = len(flat)
             while remaining:
                 index, out = await queue.get()
                 if out is None:
                     raise SchedulerDied(self.dead or "scheduler stopped")
-                chunk = self._to_chunk(samples[index], out)
+                k, sample = flat[index]
+                chunk = self._to_chunk(sample, out)
                 if chunk.finished:
                     remaining -= 1
-                yield chunk
+                yield k, chunk
         finally:
-            self._end_samples(gen.rid, samples)
+            for rid, samples in started:
+                self._end_samples(rid, samples)
 
-    def _start_samples(self, gen: GenInput, queue: asyncio.Queue, samples: list[_Sample]) -> None:
-        """Register and send every sample; ``samples`` grows as they are sent, so the
-        caller's cleanup covers a failure half-way."""
+    def _start_samples(self, gen: GenInput, queue: asyncio.Queue, samples: list[_Sample], base: int) -> None:
+        """Register and send every sample (its outputs go to ``queue`` as ``base + i``);
+        ``samples`` grows as they are sent, so the caller's cleanup covers a failure half-way."""
         for i in range(gen.n):
             rid = f"{gen.rid}-{i}"
             sp = gen.sampling
@@ -293,7 +312,7 @@ class TokenizerManager:
                 stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output,
                 stop_regex=sp.stop_regex)
             samples.append(_Sample(i, detok))
-            self.queues[rid] = (queue, i)
+            self.queues[rid] = (queue, base + i)
             self.send.asend_nowait(m.GenerateReq(
                 rid=rid, input_ids=gen.input_ids, sampling=sp, return_logprob=gen.return_logprob,
                 logprob_start_len=gen.logprob_start_len, top_logprobs_num=gen.top_logprobs_num,

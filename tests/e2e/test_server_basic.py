@@ -114,6 +114,38 @@ def _story(s):
     s += gen("a", max_tokens=12, temperature=0, ignore_eos=True)
 
 
+def _sse_payloads(c, path: str, body: dict) -> list[dict]:
+    with c.stream("POST", path, json=body) as r:
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+
+
+def test_streamed_batch_runs_its_prompts_concurrently(server, idle_invariants):
+    """A streamed batch of prompts (native /generate, /v1/completions) sends every prompt
+    to the scheduler at once: each prompt's first event comes before any prompt's last
+    (they used to run one after another), and each index streams the non-streamed result."""
+    prompts = ["The capital of France is", "Two plus two equals", "The color of the sky is"]
+    with server.client() as c:
+        sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+        full = c.post("/generate", json={"text": prompts, "sampling_params": sp}).json()
+        events = _sse_payloads(c, "/generate", {"text": prompts, "sampling_params": sp, "stream": True})
+        name = c.get("/get_model_info").json()["served_model_name"]
+        body = {"model": name, "prompt": prompts, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        comp = c.post("/v1/completions", json=body).json()
+        chunks = _sse_payloads(c, "/v1/completions", {**body, "stream": True})
+    firsts = [min(i for i, e in enumerate(events) if e["index"] == k) for k in range(3)]
+    lasts = [max(i for i, e in enumerate(events) if e["index"] == k) for k in range(3)]
+    assert max(firsts) < min(lasts), (firsts, lasts)
+    assert [[e for e in events if e["index"] == k][-1]["output_ids"] for k in range(3)] == [
+        f["output_ids"] for f in full]
+    choices = [(i, ch) for i, p in enumerate(chunks) for ch in p["choices"]]
+    firsts = [min(i for i, ch in choices if ch["index"] == k) for k in range(3)]
+    lasts = [max(i for i, ch in choices if ch["index"] == k) for k in range(3)]
+    assert max(firsts) < min(lasts), (firsts, lasts)
+    texts = ["".join(ch["text"] for _, ch in choices if ch["index"] == k) for k in range(3)]
+    assert texts == [ch["text"] for ch in sorted(comp["choices"], key=lambda ch: ch["index"])]
+    idle_invariants(server)
+
+
 def test_health_generate_and_batch_prompts_match_singles(server, idle_invariants):
     """/health_generate runs a token through the scheduler; a /generate batch of prompts
     (run concurrently) gives each prompt the tokens it gets alone."""
