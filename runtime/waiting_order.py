@@ -4,9 +4,10 @@ Policies (SGLang's names, ``--schedule-policy``):
 
 * ``fcfs``: arrival order.
 * ``lof``: longest output first: the largest ``max_new_tokens`` first, ties by arrival
-  (SGLang's ``lof``). For throughput runs: the requests that need the most sequential
-  decode steps start first, so fewer steps run a nearly empty batch at the end (longest
-  processing time first, the classic makespan heuristic). Ignores the radix tree.
+  (SGLang's ``lof``). Meant for throughput runs: the requests that need the most
+  sequential decode steps start first (longest processing time first, the classic
+  makespan heuristic). On the 1000-prompt ShareGPT run it did not shorten the tail
+  (BENCHMARKS.md). Ignores the radix tree.
 * ``lpm``: longest prefix match first (most tokens already cached), ties by arrival.
 * ``dfs-weight``: depth-first over the radix tree; at each node the branch holding the
   most requests (its weight) goes first, deeper matches before the requests hanging at
@@ -177,9 +178,9 @@ class WaitingOrder:
         if self.policy == "fcfs":
             order = self._fcfs(waiting)
         elif self.policy == "lpm":
-            order = self._lpm()
+            order = self._heap_order(self._live_lpm)
         elif self.policy == "lof":
-            order = self._lof()
+            order = self._heap_order(self._live_lof)
         else:
             order = self._dfs(running)
         with_guard = self._promoted
@@ -221,35 +222,27 @@ class WaitingOrder:
             if i < len(waiting) and waiting[i] is req:  # not admitted: move on
                 i += 1
 
-    def _lpm(self) -> Iterator[Req]:
-        popped: list[tuple[int, float, int, Req]] = []
-        try:
-            while self._heap:
-                entry = heapq.heappop(self._heap)
-                hang = self._hang.get(entry[3])
-                if hang is None or hang.seq != entry[2]:
-                    continue  # superseded or gone
-                popped.append(entry)
-                yield entry[3]
-        finally:  # put back what was not admitted
-            for entry in popped:
-                hang = self._hang.get(entry[3])
-                if hang is not None and hang.seq == entry[2]:
-                    heapq.heappush(self._heap, entry)
+    def _live_lpm(self, entry: tuple[int, float, int, Req]) -> bool:
+        hang = self._hang.get(entry[3])
+        return hang is not None and hang.seq == entry[2]
 
-    def _lof(self) -> Iterator[Req]:
-        """The heap in order; entries of requests gone are dropped, the rest put back."""
+    def _live_lof(self, entry: tuple[int, float, int, Req]) -> bool:
+        return self._lof_seq.get(entry[3]) == entry[2]
+
+    def _heap_order(self, live: Callable[[tuple[int, float, int, Req]], bool]) -> Iterator[Req]:
+        """The requests of the lazily invalidated heap (lpm, lof) in order: entries that
+        are not ``live`` (superseded or gone) are dropped, the ones not admitted put back."""
         popped: list[tuple[int, float, int, Req]] = []
         try:
             while self._heap:
                 entry = heapq.heappop(self._heap)
-                if self._lof_seq.get(entry[3]) != entry[2]:
-                    continue  # admitted or removed since
+                if not live(entry):
+                    continue
                 popped.append(entry)
                 yield entry[3]
         finally:
             for entry in popped:
-                if self._lof_seq.get(entry[3]) == entry[2]:
+                if live(entry):
                     heapq.heappush(self._heap, entry)
 
     def _dfs(self, running: list[Req]) -> Iterator[Req]:
