@@ -9,6 +9,11 @@ buffer, counted as 2x its size), the least time one decode step can take at batc
 embedding table, of which a step reads only B rows).
 
     python bench/decode_step.py --shape llama3-8b --batch 1 32 64 --out $OUT
+    python bench/decode_step.py --kv-cache-dtype fp8_e4m3 [--kv-centred] --out $OUT
+
+``--kv-cache-dtype fp8_e4m3`` runs FP8 pages with placeholder scales (speed does not
+depend on their values); ``--kv-centred`` adds channel means, so the step also pays for
+subtracting them in store_kv and adding ``v_mean`` back to every layer's output.
 """
 
 from __future__ import annotations
@@ -133,6 +138,8 @@ def main() -> None:
         "--vocab", type=int, help="override the shape's vocabulary (Llama-3-8B: 128256)"
     )
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--kv-cache-dtype", choices=["bf16", "fp8_e4m3"], default="bf16")
+    ap.add_argument("--kv-centred", action="store_true", help="fp8_e4m3 with channel means")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -146,15 +153,14 @@ def main() -> None:
     max_bs = max(args.batch)
     pages_per_req = -(-(args.context + args.steps + 8) // page)
     head_dim = shape["head_dim"]
-    pool = KVPool(
-        max_bs * pages_per_req + 1,
-        page,
-        shape["num_hidden_layers"],
-        shape["num_key_value_heads"],
-        head_dim,
-        torch.bfloat16,
-        device,
-    )
+    layers, kv_heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
+    quant: tuple = (None, None)
+    if args.kv_cache_dtype == "fp8_e4m3":
+        quant = (torch.full((layers, kv_heads), 0.02), torch.full((layers, kv_heads), 0.02))
+        if args.kv_centred:
+            quant += (torch.zeros(layers, kv_heads, head_dim), torch.full((layers, kv_heads, head_dim), 0.01))
+    pool = KVPool(max_bs * pages_per_req + 1, page, layers, kv_heads, head_dim, torch.bfloat16, device,
+                  args.kv_cache_dtype, *quant)  # fmt: skip
     tables = [
         list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)) for b in range(max_bs)
     ]
@@ -173,6 +179,8 @@ def main() -> None:
         read_bytes=read,
         read_floor_ms=read / bandwidth * 1e3,
         capture_s=capture_s,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_centred=args.kv_centred,
         context=args.context,
         rows=[],
     )
@@ -184,7 +192,8 @@ def main() -> None:
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"decode_step_{args.shape}.json").write_text(json.dumps(result, indent=1))
+    kv = "" if args.kv_cache_dtype == "bf16" else f"_{args.kv_cache_dtype}{'_centred' * args.kv_centred}"
+    (args.out / f"decode_step_{args.shape}{kv}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
 
 

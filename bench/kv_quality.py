@@ -16,9 +16,12 @@ so every token attends to K/V read back from the pool. Per dtype:
   the paged decode path; a trial passes when the code appears in the answer. Trials use
   the same prompts for every dtype.
 
-FP8 scales come from ``kv_calibration.calibrate_kv_scales`` on the bundled calibration
-text (as the server does at start-up); int4 and mixed use them for their FP8 slots and
-demote pages after every pass as the server does (``KVPool.begin_pass``/``end_pass``).
+FP8 scales and channel means come from ``kv_calibration.calibrate_kv_scales`` on the
+bundled calibration text (as the server does at start-up); int4 and mixed use them for
+their FP8 slots and demote pages after every pass as the server does
+(``KVPool.begin_pass``/``end_pass``). A dtype written ``NAME:uncentred`` (e.g.
+``fp8_e4m3:uncentred``) runs that dtype without the channel means (the calibration before
+them: values stored uncentred, scales from their absmax), for an A/B in one run.
 Usage::
 
     .venv/bin/python bench/kv_quality.py --tokens 50000 --out bench/kv_results/cpu.json
@@ -101,11 +104,19 @@ class Runner:
             cfg.hidden_size // cfg.num_attention_heads,
         )
         ids = self.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"]
-        self.scales = calibrate_kv_scales(self.model, ids, page_size, self.device, self.dtype)
+        self.scales = {
+            center: calibrate_kv_scales(self.model, ids, page_size, self.device, self.dtype, center=center)
+            for center in (True, False)
+        }
 
-    def pool(self, kv_dtype: str) -> KVPool:
+    def pool(self, name: str) -> KVPool:
+        """A pool of KV dtype ``name`` (``NAME:uncentred``: FP8 slots without channel means)."""
         layers, heads, head_dim = self.shape
-        scales = self.scales if kv_dtype in ("fp8_e4m3", "int4", "mixed") else (None, None)
+        kv_dtype, _, variant = name.partition(":")
+        if variant not in ("", "uncentred"):
+            raise SystemExit(f"unknown dtype variant {name!r} (only NAME:uncentred)")
+        scales = (self.scales[variant != "uncentred"] if kv_dtype in ("fp8_e4m3", "int4", "mixed")
+                  else (None, None))  # fmt: skip
         return KVPool(self.num_pages, self.page_size, layers, heads, head_dim, self.dtype, self.device,
                       kv_dtype, *scales, window_pages=self.window_pages)  # fmt: skip
 
@@ -229,7 +240,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtypes", default="bf16,fp8_e4m3", help="any of bf16, fp16, fp8_e4m3, int4, mixed")
+    ap.add_argument("--dtypes", default="bf16,fp8_e4m3",
+                    help="any of bf16, fp16, fp8_e4m3, int4, mixed; NAME:uncentred without channel means")
     ap.add_argument("--kv-mixed-window-pages", type=int, default=2, help="mixed: FP8 window (pages)")
     ap.add_argument("--base", default="bf16", help="the dtype deltas are measured against")
     ap.add_argument("--tokens", type=int, default=50000)
@@ -285,7 +297,7 @@ def main() -> None:
             # Per-dtype raw results are kept beside the JSON, so dtypes can be run separately.
             cache = (
                 out.parent
-                / f"kv_quality_{runner.device.type}_{name}_{args.tokens}_{args.window}_{args.chunk}.pt"
+                / f"kv_quality_{runner.device.type}_{name.replace(':', '-')}_{args.tokens}_{args.window}_{args.chunk}.pt"
             )
             if cache.exists():
                 results[name] = torch.load(cache)

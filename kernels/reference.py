@@ -54,10 +54,14 @@ IntList = Sequence[int] | torch.Tensor
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K, D] float -> float8_e4m3fn [..., K, D]: ``clamp(x / scale[k], +-448)``
-    rounded to nearest even. ``scale`` [K] float32 (one per kv head, > 0)."""
-    scaled = x.float() / scale.float()[:, None]
+def quantize_fp8(
+    x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K, D] float -> float8_e4m3fn [..., K, D]: ``clamp((x - mean[k]) / scale[k],
+    +-448)`` rounded to nearest even. ``scale`` [K] float32 (one per kv head, > 0);
+    ``mean`` [K, D] float32 channel means or None (zero)."""
+    x = x.float() if mean is None else x.float() - mean.float()
+    scaled = x / scale.float()[:, None]
     return scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -164,6 +168,8 @@ def store_kv(
     out_slots: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> None:
     """Write new tokens' K/V into their page slots, in place.
 
@@ -174,13 +180,17 @@ def store_kv(
         out_slots: [T] int64 flat slot ids (page * S + offset), one per token.
         k_scale, v_scale: [K] float32 per-kv-head scales of an FP8 pool
             (``quantize_fp8``); None for float pools.
+        k_mean, v_mean: [K, D] float32 channel means an FP8 pool subtracts before
+            quantising (``radixlm.runtime.kv_calibration``), or None.
     """
     num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     assert k.shape == v.shape and k.shape[1:] == (num_kv_heads, head_dim), (k.shape, k_pool.shape)
     assert out_slots.shape == (k.shape[0],), (out_slots.shape, k.shape)
     if k_scale is not None:
         assert k_pool.dtype == torch.float8_e4m3fn and v_scale is not None, k_pool.dtype
-        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+        k, v = quantize_fp8(k, k_scale, k_mean), quantize_fp8(v, v_scale, v_mean)
+    else:
+        assert k_mean is None and v_mean is None, "channel means go with FP8 scales"
     k_pool.view(-1, num_kv_heads, head_dim)[out_slots] = k.to(k_pool.dtype)  # [P*S, K, D]
     v_pool.view(-1, num_kv_heads, head_dim)[out_slots] = v.to(v_pool.dtype)
 

@@ -16,9 +16,10 @@ Layout::
 Grid: one program per token; it moves the whole [K, D] tile of K and of V (K padded to a
 power of two and masked).
 
-FP8 pools (float8_e4m3fn, with per-kv-head float32 scales ``k_scale``/``v_scale`` [K]):
-the kernel stores ``clamp(x / scale[k], +-448)`` rounded to e4m3 (quantisation on the fly,
-same rounding as ``reference.quantize_fp8``).
+FP8 pools (float8_e4m3fn, with per-kv-head float32 scales ``k_scale``/``v_scale`` [K] and
+optional channel means ``k_mean``/``v_mean`` [K, D]): the kernel stores
+``clamp((x - mean[k]) / scale[k], +-448)`` rounded to e4m3 (quantisation on the fly, same
+rounding as ``reference.quantize_fp8``; why the means: ``radixlm.runtime.kv_calibration``).
 
 Limits: D a power of two (16..256); K <= 64.
 
@@ -38,11 +39,11 @@ __all__ = ["store_kv"]
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KPool, VPool, Slots, KScale, VScale,
+    K, V, KPool, VPool, Slots, KScale, VScale, KMean, VMean,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
     NUM_KV_HEADS: tl.constexpr, BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr, CENTER: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_KH)  # [Kp]
@@ -53,11 +54,17 @@ def _store_kv_kernel(
     offset = slot % PAGE_SIZE
     k = tl.load(K + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    if QUANT:  # FP8: x / scale, saturated to the e4m3 range
+    if QUANT:  # FP8: (x - mean) / scale, saturated to the e4m3 range
         k_scale = tl.load(KScale + heads, mask=heads < NUM_KV_HEADS, other=1.0)  # [Kp]
         v_scale = tl.load(VScale + heads, mask=heads < NUM_KV_HEADS, other=1.0)
-        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale[:, None]), -448.0, 448.0)
-        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale[:, None]), -448.0, 448.0)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        if CENTER:  # [K, D] float32 channel means, contiguous
+            means = heads[:, None] * HEAD_DIM + dims[None, :]
+            k = k - tl.load(KMean + means, mask=mask, other=0.0)
+            v = v - tl.load(VMean + means, mask=mask, other=0.0)
+        k = tl.clamp(tl.math.div_rn(k, k_scale[:, None]), -448.0, 448.0)
+        v = tl.clamp(tl.math.div_rn(v, v_scale[:, None]), -448.0, 448.0)
     k_dst = KPool + page * stride_kp + offset * stride_ks + heads[:, None] * stride_kk
     v_dst = VPool + page * stride_vp + offset * stride_vs + heads[:, None] * stride_vk
     tl.store(k_dst + dims[None, :], k.to(KPool.dtype.element_ty), mask=mask)
@@ -78,12 +85,16 @@ def store_kv(
     out_slots: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> None:
     """Write ``k``/``v`` [T, K, D] into ``k_pool``/``v_pool`` [P, S, K, D] at ``out_slots``
     (flat slot ids, int64 [T]), in place, casting to the pool dtype.
 
     ``k_scale``/``v_scale``: [K] float32 per-kv-head scales, required for (and only for)
-    float8_e4m3fn pools, which get ``clamp(x / scale, +-448)`` in e4m3.
+    float8_e4m3fn pools, which get ``clamp((x - mean) / scale, +-448)`` in e4m3;
+    ``k_mean``/``v_mean``: [K, D] float32 contiguous channel means (both or neither; FP8
+    pools only), zero when None.
     """
     quant = k_pool.dtype == torch.float8_e4m3fn
     assert quant == (k_scale is not None) == (v_scale is not None), (k_pool.dtype, k_scale is None)
@@ -107,13 +118,20 @@ def store_kv(
     if quant:
         assert k_scale.shape == v_scale.shape == (num_kv_heads,), (k_scale.shape, v_scale.shape)
         assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.device == k_pool.device
+    center = k_mean is not None
+    assert center == (v_mean is not None) and (quant or not center), "means go with FP8 scales"
+    if center:
+        for mean in (k_mean, v_mean):
+            assert mean.shape == (num_kv_heads, head_dim) and mean.is_contiguous(), mean.shape
+            assert mean.dtype == torch.float32 and mean.device == k_pool.device, mean.dtype
     _store_kv_kernel[(num_tokens,)](
         k, v, k_pool, v_pool, out_slots,
         k_scale if quant else out_slots, v_scale if quant else out_slots,
+        k_mean if center else out_slots, v_mean if center else out_slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         NUM_KV_HEADS=num_kv_heads, BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, PAGE_SIZE=page_size, QUANT=quant,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, QUANT=quant, CENTER=center,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )  # fmt: skip

@@ -38,7 +38,9 @@ class AttentionBackend(ABC):
       * return, for every new token, causal attention over its request's whole sequence
         (cached prefix pages + the new tokens up to itself), softmax scale ``D ** -0.5``,
         GQA head mapping ``h -> h // (H // K)``;
-      * inputs may be strided views (last dim contiguous); output is [T, H, D], q's dtype.
+      * inputs may be strided views (last dim contiguous); output is [T, H, D], q's dtype;
+      * FP8-slot pools with channel means store centred K/V (``KVPool`` doc) and add
+        ``v_mean`` back to the output (``KVPool.add_v_mean``).
 
     ``prepare(batch, pool)`` is called once per forward pass before layer 0, so a backend
     can build per-batch metadata (split sizes, CUDA-graph buffers) once, not per layer.
@@ -93,22 +95,24 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
         k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
+        means = pool.k_mean[layer_id], pool.v_mean[layer_id]
         page_table = batch.page_table
         if pool.tiered:
             slots = pool.fp8_slots_of(batch.out_slots)
-            reference.store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale)
+            reference.store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale, *means)
             assert self._pages is not None and self._table is not None, "prepare() not called"
             k_pool, v_pool = pool.dequantize_pages(layer_id, self._pages)  # [U, S, K, D] float32
             page_table, k_scale, v_scale = self._table, None, None
         else:
-            reference.store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale)
+            reference.store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale, *means)
         scale = q.shape[-1] ** -0.5
         if batch.is_decode:
             seq_lens = [p + 1 for p in batch.prefix_lens_cpu]
-            return reference.paged_decode_attention(
+            out = reference.paged_decode_attention(
                 q, k_pool, v_pool, page_table, seq_lens, scale, k_scale, v_scale
             )
-        return reference.paged_attention(
+            return pool.add_v_mean(out, layer_id)
+        out = reference.paged_attention(
             q,
             k_pool,
             v_pool,
@@ -119,6 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
         )
+        return pool.add_v_mean(out, layer_id)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -186,7 +191,8 @@ class TritonAttentionBackend(AttentionBackend):
                 pool.fp8_slot, pool.k_codes[layer_id], pool.k_stat[layer_id],
                 pool.v_codes[layer_id], pool.v_stat[layer_id],
             )  # fmt: skip
-        self._store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale)
+        self._store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale,
+                       pool.k_mean[layer_id], pool.v_mean[layer_id])  # fmt: skip
         if not pool.quantised:
             q = q.to(k_pool.dtype)
         scale = q.shape[-1] ** -0.5
@@ -197,16 +203,18 @@ class TritonAttentionBackend(AttentionBackend):
             )  # fmt: skip
         work = self._scratch(q.shape[0], q.shape[1], q.shape[2])
         if not batch.is_decode:
-            return self._extend_mod.extend_attention(
+            out = self._extend_mod.extend_attention(
                 q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
                 scale, max_extend_len=max(batch.extend_lens_cpu), k_scale=k_scale, v_scale=v_scale,
                 num_splits=self._num_splits, workspace=work, tiered=tiered,
             )  # fmt: skip
-        return self._decode.decode_attention(
-            q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
-            num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
-            tiered=tiered,
-        )  # fmt: skip
+        else:
+            out = self._decode.decode_attention(
+                q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
+                num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
+                tiered=tiered,
+            )  # fmt: skip
+        return pool.add_v_mean(out, layer_id)
 
 
 def _triton_available() -> bool:

@@ -17,8 +17,12 @@ KV cache dtypes (``--kv-cache-dtype``, ``KV_CACHE_DTYPES``):
 
     auto / bf16 / fp16   k[P, S, K, D] in that float dtype (auto: the model dtype)
     fp8_e4m3             k[P, S, K, D] float8_e4m3fn + k_scale[layer] [K] float32, static
-                         per layer and kv head (calibrated at start-up, or from a file):
-                         stored = clamp(x / scale, +-448) in e4m3, read = stored * scale
+                         per layer and kv head, and k_mean[layer] [K, D] float32 channel
+                         means (calibrated at start-up, or from a file):
+                         stored = clamp((x - mean) / scale, +-448) in e4m3, read =
+                         stored * scale; attention over centred keys equals attention over
+                         the keys (softmax shift), over centred values it is the output
+                         minus v_mean (``add_v_mean`` puts it back)
     int4 / mixed         tiered: every logical page owns an INT4 page (KIVI: keys per channel
                          within the page, values per token in groups of G along D, asymmetric,
                          fp16 scale + zero-point, two codes per byte)
@@ -194,8 +198,10 @@ class KVPool:
     ``dtype`` is the model dtype; ``kv_cache_dtype`` picks the page format (module doc).
     An FP8 pool needs ``k_scales``/``v_scales`` [L, K] float32, finite and > 0 (from
     ``radixlm.runtime.kv_calibration``); ``k_scale[layer]``/``v_scale[layer]`` are then the
-    [K] rows on the pool's device (None for float pools). Raises ValueError on missing or
-    unusable scales.
+    [K] rows on the pool's device (None for float pools). ``k_means``/``v_means`` [L, K, D]
+    float32 (optional, both or neither) are the channel means stored values are centred
+    on; ``k_mean[layer]``/``v_mean[layer]`` the [K, D] rows (None without). Raises
+    ValueError on missing or unusable scales or means.
 
     Tiered pools (``int4``, ``mixed``; module doc) take the same FP8 scales for their FP8
     slots, ``num_fp8_pages`` F slots (default ``num_pages``: every page may stay FP8) and,
@@ -217,6 +223,8 @@ class KVPool:
         kv_cache_dtype: str = "auto",
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        k_means: torch.Tensor | None = None,
+        v_means: torch.Tensor | None = None,
         num_fp8_pages: int | None = None,
         window_pages: int = 2,
     ) -> None:
@@ -239,6 +247,12 @@ class KVPool:
             assert k_scales is not None and v_scales is not None
             self.k_scale = list(k_scales.to(self.device, torch.float32).unbind(0))
             self.v_scale = list(v_scales.to(self.device, torch.float32).unbind(0))
+        self.k_mean: list[torch.Tensor | None] = [None] * num_layers
+        self.v_mean: list[torch.Tensor | None] = [None] * num_layers
+        if k_means is not None or v_means is not None:
+            _check_means(k_means, v_means, self.quantised, (num_layers, num_kv_heads, head_dim))
+            self.k_mean = [m.contiguous() for m in k_means.to(self.device, torch.float32).unbind(0)]
+            self.v_mean = [m.contiguous() for m in v_means.to(self.device, torch.float32).unbind(0)]
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         if self.tiered:
             self._init_tiered(min(num_fp8_pages or num_pages, num_pages), window_pages)
@@ -300,10 +314,23 @@ class KVPool:
 
     @property
     def metadata_bytes(self) -> int:
-        """Bytes of scales beside the pages (FP8: 2 x L x K float32; tiered: those plus the
-        fp8_slot map, 4 bytes per page; INT4 statistics are in ``bytes_per_token``)."""
+        """Bytes of scales beside the pages (FP8: 2 x L x K float32, and 2 x L x K x D float32
+        of channel means when centred; tiered: those plus the fp8_slot map, 4 bytes per
+        page; INT4 statistics are in ``bytes_per_token``)."""
         scales = 2 * self.num_layers * self.num_kv_heads * 4 if self.quantised else 0
+        if self.k_mean[0] is not None:
+            scales += 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
         return scales + (4 * self.num_pages if self.tiered else 0)
+
+    def add_v_mean(self, out: torch.Tensor, layer: int) -> torch.Tensor:
+        """Attention over centred values -> attention over the values, in place: ``out``
+        [T, H, D] += v_mean[layer] of each head's kv head (h -> h // (H // K)); the
+        attention weights of a query sum to one. A no-op for uncentred pools."""
+        mean = self.v_mean[layer]
+        if mean is not None:
+            t, h, d = out.shape
+            out.view(t, self.num_kv_heads, h // self.num_kv_heads, d).add_(mean[:, None, :])
+        return out
 
     @property
     def fp8_slot_bytes(self) -> int:
@@ -505,6 +532,21 @@ class KVPool:
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """The bytes of an FP8 tensor (same shape, uint8); float tensors unchanged."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _check_means(
+    k_means: torch.Tensor | None, v_means: torch.Tensor | None, quantised: bool, shape: tuple[int, int, int]
+) -> None:
+    """ValueError unless both means are finite [L, K, D] tensors of an FP8-slot pool."""
+    if not quantised:
+        raise ValueError("KV channel means go with an fp8_e4m3 / int4 / mixed pool")
+    for name, means in (("k_means", k_means), ("v_means", v_means)):
+        if means is None:
+            raise ValueError(f"KV channel means need both k_means and v_means; {name} is missing")
+        if tuple(means.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(means.shape)} != (layers, kv heads, head dim) = {shape}")
+        if not bool(torch.isfinite(means).all()):
+            raise ValueError(f"{name} must be finite")
 
 
 def _check_scales(name: str, scales: torch.Tensor | None, num_layers: int, num_kv_heads: int) -> None:

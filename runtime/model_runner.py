@@ -31,7 +31,12 @@ from radixlm.runtime.attention import TritonAttentionBackend
 from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
 from radixlm.runtime.forward_batch import ForwardBatch, to_device
 from radixlm.runtime.grammar import GrammarMasker
-from radixlm.runtime.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales, load_kv_scales
+from radixlm.runtime.kv_calibration import (
+    CALIBRATION_TEXT,
+    KVScales,
+    calibrate_kv_scales,
+    load_kv_scales,
+)
 from radixlm.runtime.memory_pool import TIERED_KV, KVPool, kv_page_bytes, tiered_fp8_pages
 from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
 from radixlm.runtime.preemption import DEVICE_RATES, SwapCostModel
@@ -91,14 +96,14 @@ class ModelRunner:
         self.page_size = args.page_size
         cfg = self.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        k_scales, v_scales = self._kv_scales()
+        scales = self._kv_scales()
         self.num_fp8_pages = (tiered_fp8_pages(args.kv_cache_dtype, args.mixed_window_pages,
                                                args.max_running_requests, args.max_prefill_tokens, self.page_size,
                                                self.context_length)
                               if args.kv_cache_dtype in TIERED_KV else None)
         self.num_pages = self._size_pool()
         self.pool = KVPool(self.num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                           self.head_dim, self.dtype, self.device, args.kv_cache_dtype, k_scales, v_scales,
+                           self.head_dim, self.dtype, self.device, args.kv_cache_dtype, *scales,
                            num_fp8_pages=self.num_fp8_pages, window_pages=args.mixed_window_pages)
         self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
         pool = self.pool
@@ -154,22 +159,25 @@ class ModelRunner:
         return CudaGraphRunner(self.model, self.pool, max_bs, max_pages, self._prev_ids,
                                max_extend_tokens=max_extend if max_extend >= 2 else 0)
 
-    def _kv_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """FP8 KV scales [L, K] from --kv-scales-path or a calibration pass (None, None for
-        float caches). Raises KVScalesError (the server does not start) when unusable."""
+    def _kv_scales(self) -> KVScales | tuple[None, None]:
+        """FP8 KV scales [L, K] and channel means [L, K, D] from --kv-scales-path or a
+        calibration pass ((None, None) for float caches). Raises KVScalesError (the server
+        does not start) when unusable."""
         args, cfg = self.args, self.config
         if args.kv_cache_dtype not in ("fp8_e4m3", *TIERED_KV):
             return None, None
         if args.kv_scales_path:
-            scales = load_kv_scales(args.kv_scales_path, cfg.num_hidden_layers, cfg.num_key_value_heads)
+            scales = load_kv_scales(args.kv_scales_path, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                    self.head_dim)
             logger.info("FP8 KV scales loaded from %s", args.kv_scales_path)
             return scales
         ids = self.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"]
         scales = calibrate_kv_scales(self.model, ids, self.page_size, self.device, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the calibration pool is not counted as used by _size_pool
-        logger.info("FP8 KV scales calibrated on %d tokens of %s: K %.3g..%.3g, V %.3g..%.3g", len(ids),
-                    CALIBRATION_TEXT.name, scales[0].min(), scales[0].max(), scales[1].min(), scales[1].max())
+        logger.info("FP8 KV scales and channel means calibrated on %d tokens of %s: scales K %.3g..%.3g, "
+                    "V %.3g..%.3g", len(ids), CALIBRATION_TEXT.name, scales.k_scale.min(), scales.k_scale.max(),
+                    scales.v_scale.min(), scales.v_scale.max())
         return scales
 
     def _size_pool(self) -> int:

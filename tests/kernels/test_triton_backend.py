@@ -28,7 +28,13 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 6, 2, 64, 4
 
 
 def _pool(kv_cache_dtype: str = "auto") -> KVPool:
+    """``<dtype>+means``: the FP8 slots store values centred on channel means (the
+    calibration's), which the backends add back to the output for V."""
+    kv_cache_dtype, _, centred = kv_cache_dtype.partition("+")
     scales = (torch.tensor([[0.011, 0.007]]), torch.tensor([[0.009, 0.013]]))  # [L, K]
+    if centred:
+        gen = torch.Generator().manual_seed(11)
+        scales += tuple(torch.randn(1, KV_HEADS, HEAD_DIM, generator=gen) for _ in "kv")
     pool = KVPool(24, PAGE, 1, KV_HEADS, HEAD_DIM, torch.float32, DEVICE, kv_cache_dtype,
                   *(scales if kv_cache_dtype in ("fp8_e4m3", "int4", "mixed") else (None, None)),
                   window_pages=1)  # fmt: skip
@@ -51,7 +57,9 @@ def _step(backend, pool: KVPool, batch: ForwardBatch, seed: int) -> torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int4", "mixed"])
+@pytest.mark.parametrize(
+    "kv_cache_dtype", ["auto", "fp8_e4m3", "int4", "mixed", "fp8_e4m3+means", "mixed+means"]
+)
 def test_triton_backend_matches_torch_backend(kv_cache_dtype: str) -> None:
     pools = {"torch": _pool(kv_cache_dtype), "triton": _pool(kv_cache_dtype)}
     backends = {"torch": TorchAttentionBackend(DEVICE), "triton": TritonAttentionBackend(DEVICE)}
@@ -79,7 +87,7 @@ def test_triton_backend_matches_torch_backend(kv_cache_dtype: str) -> None:
         torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pools["triton"].k[0].float(), pools["torch"].k[0].float(), equal_nan=True)
     if pools["torch"].tiered:  # INT4 pages were read: the requests filled 2, 6 and 2 pages
-        demoted = {"int4": 10, "mixed": 4}[kv_cache_dtype]  # mixed: sink + 1 window page kept
+        demoted = {"int4": 10, "mixed": 4}[kv_cache_dtype.partition("+")[0]]  # mixed: sink + 1 window page kept
         assert pools["torch"].num_demoted == pools["triton"].num_demoted == demoted
         int4 = [p for row in tables for p in row if int(pools["torch"].fp8_slot[p]) < 0]
         assert len(int4) == demoted

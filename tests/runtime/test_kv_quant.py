@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixlm.runtime.attention import TorchAttentionBackend
+from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.kv_calibration import (
+    KVScales,
     KVScalesError,
     calibrate_kv_scales,
     load_kv_scales,
@@ -85,11 +88,16 @@ def test_fp8_pages_swap_through_host_memory_bit_for_bit() -> None:
         )
 
 
-def test_calibration_scales_are_twice_the_absmax_over_448(tiny_hf_model: Callable) -> None:
+def test_calibration_means_and_scales_of_the_centred_values(tiny_hf_model: Callable) -> None:
+    """means = per-channel token means of the stored K/V; scales = 2 x absmax(x - mean) /
+    448; with center=False no means and the absmax of the raw values."""
     model = load_model(tiny_hf_model()[0], torch.float32, "cpu", "torch")
     ids = random.Random(5).choices(range(256), k=37)
-    k_scales, v_scales = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32)
-    assert k_scales.shape == v_scales.shape == (2, 2)
+    scales = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32)
+    assert isinstance(scales, KVScales) and scales.k_scale.shape == scales.v_scale.shape == (2, 2)
+    assert scales.k_mean.shape == scales.v_mean.shape == (2, 2, 16)
+    raw = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32, center=False)
+    assert raw.k_mean is None and raw.v_mean is None
     # The same K/V, stored by a plain forward pass into a float pool.
     session = Session(model, page_size=4)
     session.step({0: (ids, 0)})
@@ -97,8 +105,11 @@ def test_calibration_scales_are_twice_the_absmax_over_448(tiny_hf_model: Callabl
     for layer in range(2):
         k = session.pool.k[layer][pages].reshape(-1, 2, 16)[:37]
         v = session.pool.v[layer][pages].reshape(-1, 2, 16)[:37]
-        torch.testing.assert_close(k_scales[layer], k.abs().amax(dim=(0, 2)) * 2 / 448)
-        torch.testing.assert_close(v_scales[layer], v.abs().amax(dim=(0, 2)) * 2 / 448)
+        for x, mean, scale, raw_scale in ((k, scales.k_mean, scales.k_scale, raw.k_scale),
+                                          (v, scales.v_mean, scales.v_scale, raw.v_scale)):  # fmt: skip
+            torch.testing.assert_close(mean[layer], x.mean(dim=0))
+            torch.testing.assert_close(scale[layer], (x - x.mean(dim=0)).abs().amax(dim=(0, 2)) * 2 / 448)
+            torch.testing.assert_close(raw_scale[layer], x.abs().amax(dim=(0, 2)) * 2 / 448)
     with pytest.raises(KVScalesError, match="at least one token"):
         calibrate_kv_scales(model, [], 4, "cpu", torch.float32)
 
@@ -119,12 +130,79 @@ def test_fp8_cache_logits_stay_close_to_the_float_cache(tiny_hf_model: Callable)
     assert 1e-4 < err < 0.05, err
 
 
+def _centred_attention_error(centred: bool) -> float:
+    """Relative error of FP8 attention (torch backend: prefill then decode) against a
+    float pool, on keys with a large per-channel offset (as some key channels carry) and
+    values with one, with or without the channel means."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 24
+    offset_k = torch.zeros(kv_heads, dim)
+    offset_k[:, 2], offset_k[:, 7] = 30.0, -20.0
+    offset_v = torch.randn(kv_heads, dim, generator=gen) * 4
+    k = torch.randn(tokens, kv_heads, dim, generator=gen) + offset_k
+    v = torch.randn(tokens, kv_heads, dim, generator=gen) + offset_v
+    q = torch.randn(tokens, heads, dim, generator=gen) * 0.3
+    k_mean, v_mean = (k.mean(0), v.mean(0)) if centred else (torch.zeros(kv_heads, dim),) * 2
+    scales = ((k - k_mean).abs().amax(dim=(0, 2))[None] * 2 / 448,
+              (v - v_mean).abs().amax(dim=(0, 2))[None] * 2 / 448)  # fmt: skip
+    means = (k_mean[None], v_mean[None]) if centred else (None, None)
+    outs = []
+    for pool in (KVPool(8, 4, 1, kv_heads, dim, torch.float32, "cpu"),
+                 KVPool(8, 4, 1, kv_heads, dim, torch.float32, "cpu", "fp8_e4m3", *scales, *means)):  # fmt: skip
+        backend = TorchAttentionBackend("cpu")
+        table = [[3, 1, 6, 2, 5, 4]]
+        prefill = ForwardBatch.build([[1] * 20], [0], table, [19], 4, "cpu")
+        decode = ForwardBatch.build([[1]], [20], table, [0], 4, "cpu")
+        out = [backend.forward(q[:20], k[:20], v[:20], 0, prefill, pool)]
+        for t in range(20, tokens):
+            decode = ForwardBatch.build([[1]], [t], table, [0], 4, "cpu")
+            out.append(backend.forward(q[t:t + 1], k[t:t + 1], v[t:t + 1], 0, decode, pool))
+        outs.append(torch.cat(out))
+    return float((outs[1] - outs[0]).norm() / outs[0].norm())
+
+
+def test_channel_means_cut_the_fp8_attention_error() -> None:
+    """Centring is exact for attention (softmax shift for K, weights summing to one for V),
+    so only the rounding of the smaller centred values is left."""
+    centred, plain = _centred_attention_error(True), _centred_attention_error(False)
+    assert centred < 0.01 and centred < plain / 4, (centred, plain)
+
+
+def test_pool_channel_means_are_checked_and_counted() -> None:
+    k_means = torch.zeros(2, 2, 16)
+    pool = KVPool(4, 4, 2, 2, 16, torch.float32, "cpu", "fp8_e4m3", *_scales(), k_means, k_means + 1)
+    assert pool.metadata_bytes == 2 * 2 * 2 * 4 + 2 * 2 * 2 * 16 * 4
+    assert float(pool.add_v_mean(torch.zeros(3, 4, 16), 1).min()) == 1.0  # [T, H, D] += v_mean
+    for args, message in (
+        ((k_means, None), "need both k_means and v_means; v_means is missing"),
+        ((k_means, torch.zeros(2, 2, 8)), r"v_means shape \(2, 2, 8\) != \(layers, kv heads, head dim\)"),
+        ((k_means, torch.full((2, 2, 16), float("nan"))), "v_means must be finite"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            KVPool(4, 4, 2, 2, 16, torch.float32, "cpu", "fp8_e4m3", *_scales(), *args)
+    with pytest.raises(ValueError, match="go with an fp8_e4m3 / int4 / mixed pool"):
+        KVPool(4, 4, 2, 2, 16, torch.float32, "cpu", "bf16", None, None, k_means, k_means)
+
+
 def test_scales_file_round_trip_and_errors(tmp_path: Path) -> None:
     k, v = torch.rand(3, 2) + 0.1, torch.rand(3, 2) + 0.1
+    k_mean, v_mean = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
     path = tmp_path / "scales.json"
-    save_kv_scales(path, k, v)
-    k2, v2 = load_kv_scales(path, 3, 2)
+    save_kv_scales(path, KVScales(k, v, k_mean, v_mean))
+    got = load_kv_scales(path, 3, 2, 4)
+    for a, b in zip(got, (k, v, k_mean, v_mean), strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(KVScalesError, match="k_mean must be 3 x 2 lists of 8 numbers"):
+        load_kv_scales(path, 3, 2, 8)
+    # A v1 file (scales only) still loads: no means, the pool stores uncentred values.
+    save_kv_scales(path, KVScales(k, v))
+    doc = json.loads(path.read_text())
+    assert "k_mean" not in doc
+    doc["format"] = "radixlm-kv-scales-v1"
+    path.write_text(json.dumps(doc))
+    k2, v2, km, vm = load_kv_scales(path, 3, 2, 4)
     torch.testing.assert_close(k2, k) and torch.testing.assert_close(v2, v)
+    assert km is None and vm is None
     with pytest.raises(KVScalesError, match="k_scale must be 4 lists of 2"):
         load_kv_scales(path, 4, 2)
     doc = json.loads(path.read_text())
@@ -133,7 +211,7 @@ def test_scales_file_round_trip_and_errors(tmp_path: Path) -> None:
     with pytest.raises(KVScalesError, match="every v_scale must be a finite number > 0"):
         load_kv_scales(path, 3, 2)
     path.write_text("{}")
-    with pytest.raises(KVScalesError, match="not a radixlm-kv-scales-v1 file"):
+    with pytest.raises(KVScalesError, match=r"not a radixlm-kv-scales-v2 \(or v1\) file"):
         load_kv_scales(path, 3, 2)
     with pytest.raises(KVScalesError, match="cannot read JSON"):
         load_kv_scales(tmp_path / "missing.json", 3, 2)
@@ -159,7 +237,7 @@ def test_runner_refuses_to_start_with_unusable_scales(smollm2_dir: str, tmp_path
     from radixlm.runtime.model_runner import ModelRunner
 
     path = tmp_path / "scales.json"
-    save_kv_scales(path, torch.full((30, 3), 0.01), torch.full((30, 3), 0.01))
+    save_kv_scales(path, KVScales(torch.full((30, 3), 0.01), torch.full((30, 3), 0.01)))
     doc = json.loads(path.read_text())
     doc["k_scale"][7][1] = float("inf")
     path.write_text(json.dumps(doc).replace("Infinity", "1e999"))
@@ -167,7 +245,9 @@ def test_runner_refuses_to_start_with_unusable_scales(smollm2_dir: str, tmp_path
                       kv_scales_path=str(path), max_total_tokens=256)  # fmt: skip
     with pytest.raises(KVScalesError, match="every k_scale must be a finite number > 0"):
         ModelRunner(args)
-    save_kv_scales(path, torch.full((30, 3), 0.01), torch.full((30, 3), 0.02))
+    save_kv_scales(path, KVScales(torch.full((30, 3), 0.01), torch.full((30, 3), 0.02),
+                                  torch.zeros(30, 3, 64), torch.full((30, 3, 64), 0.5)))  # fmt: skip
     runner = ModelRunner(args)
     assert runner.pool.dtype == FP8 and float(runner.pool.v_scale[29][2]) == pytest.approx(0.02)
+    assert float(runner.pool.v_mean[29][2, 63]) == 0.5
     assert runner.pool.bytes_per_token == 30 * 3 * 64 * 2
