@@ -698,8 +698,8 @@ def explore_decode(s: Setup, pool: Pool, timer: Timer, ceil: dict, log: list,
         w.partial_lse.normal_()
         out = torch.empty(shape[0], s.heads, s.head_dim, dtype=s.dtype, device=s.device)
         fn = lambda w=w, n=n, out=out: decode_mod._decode_merge_kernel[(shape[0], s.heads)](  # noqa: E731
-            w.partial_out, w.partial_lse, out, n, out.stride(0), out.stride(1),
-            HEAD_DIM=s.head_dim, BLOCK_S=triton.next_power_of_2(n),
+            w.partial_out, w.partial_lse, out, w.partial_lse, n, out.stride(0), out.stride(1),
+            HEAD_DIM=s.head_dim, BLOCK_S=triton.next_power_of_2(n), GROUP=1, CENTER=False,
             num_warps=4 if s.head_dim * n >= 4096 else 2,
         )  # fmt: skip
         _explore_point(timer, fn, {"kind": "merge", "batch": shape[0], "splits": n}, log,

@@ -42,7 +42,7 @@ if not triton.__version__.startswith("3.6"):
 POINTERS = {
     "Q": "*bf16", "KPool": "*fp8e4nv", "VPool": "*fp8e4nv", "PageTable": "*i32", "SeqLens": "*i32",
     "Out": "*bf16", "PartOut": "*fp32", "PartLse": "*fp32", "KScale": "*fp32", "VScale": "*fp32",
-    "FSlot": "*i32", "KCodes": "*u8", "KStat": "*fp16", "VCodes": "*u8", "VStat": "*fp16",
+    "VMean": "*fp32", "FSlot": "*i32", "KCodes": "*u8", "KStat": "*fp16", "VCodes": "*u8", "VStat": "*fp16",
     "CuExtend": "*i32", "PrefixLens": "*i32",
 }  # fmt: skip
 GROUP, KV_HEADS, HEAD_DIM, VGROUP = 4, 8, 128, 64
@@ -75,7 +75,7 @@ def main() -> None:
             block_n, warps, stages, *rest = cfg
             page = rest[0] if rest else 16
             common = dict(GROUP=GROUP, BLOCK_H=16, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, PAGE_SIZE=page,
-                          DIRECT=False, DOT_PRECISION="tf32")  # fmt: skip
+                          DIRECT=False, DOT_PRECISION="tf32", CENTER=False)  # fmt: skip
             if which == "decode":
                 aligned, step = decode_mod._tiled_step(page, block_n)
                 info = usage(decode_mod._decode_tiered_kernel, POINTERS,

@@ -346,7 +346,7 @@ class DecodeWorkspace:
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale,
+    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale, VMean,
     qk_scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -354,6 +354,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
+    CENTER: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -411,6 +412,8 @@ def _decode_split_kernel(
     if QUANT == 1:
         out = out * tl.load(VScale + kv_head)
     if DIRECT:
+        if CENTER:  # centred values: + the kv head's channel means (the merge adds them otherwise)
+            out = out + tl.load(VMean + kv_head * HEAD_DIM + dims)[None, :]
         o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=head_mask[:, None])
     else:
@@ -423,7 +426,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_tiered_kernel(
-    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale,
+    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale, VMean,
     FSlot, KCodes, KStat, VCodes, VStat,
     qk_scale_log2, num_splits,
     stride_qb, stride_qh,
@@ -432,7 +435,7 @@ def _decode_tiered_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_KV_HEADS: tl.constexpr, VGROUP: tl.constexpr,
-    ALIGNED: tl.constexpr, STEP: tl.constexpr,
+    ALIGNED: tl.constexpr, STEP: tl.constexpr, CENTER: tl.constexpr,
 ):  # fmt: skip
     """``_decode_split_kernel`` over a tiered pool (same grid, outputs and splits). The
     head dim is handled as two halves, channels 2j and 2j+1 (j < D/2): q, the K/V tiles
@@ -503,6 +506,9 @@ def _decode_tiered_kernel(
     out_lo = acc_lo * inv_l[:, None]
     out_hi = acc_hi * inv_l[:, None]
     if DIRECT:
+        if CENTER:  # centred values: + the kv head's channel means
+            out_lo = out_lo + tl.load(VMean + kv_head * HEAD_DIM + 2 * half)[None, :]
+            out_hi = out_hi + tl.load(VMean + kv_head * HEAD_DIM + 2 * half + 1)[None, :]
         o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + 2 * half[None, :]
         tl.store(o_ptr, out_lo.to(Out.dtype.element_ty), mask=head_mask[:, None])
         tl.store(o_ptr + 1, out_hi.to(Out.dtype.element_ty), mask=head_mask[:, None])
@@ -518,8 +524,8 @@ def _decode_tiered_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    PartOut, PartLse, Out, num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    PartOut, PartLse, Out, VMean, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr, CENTER: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -532,6 +538,8 @@ def _decode_merge_kernel(
     part_ptr = PartOut + row[:, None] * HEAD_DIM + dims[None, :]
     part = tl.load(part_ptr, mask=smask[:, None], other=0.0)  # [Nb, D]
     out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)  # [D]
+    if CENTER:  # centred values: + the channel means of the head's kv head
+        out = out + tl.load(VMean + (h // GROUP) * HEAD_DIM + dims)
     tl.store(Out + b * stride_ob + h * stride_oh + dims, out.to(Out.dtype.element_ty))
 
 
@@ -611,6 +619,7 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     tiered: TieredPages | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention: q [B, H, D] over each request's ``seq_lens[b]`` keys -> [B, H, D].
 
@@ -635,9 +644,16 @@ def decode_attention(
             (``TieredPages``); ``k_pool``/``v_pool`` are then the [F, S, K, D] FP8 slots
             and the page table holds logical pages. Each key is read from its page's FP8
             slot or dequantised from INT4 in registers (``_decode_tiered_kernel``; D >= 32).
+        v_mean: [K, D] float32 contiguous channel means of an FP8 pool that stores centred
+            values (``radixlm.runtime.kv_calibration``): added to the output in the
+            epilogue (the attention weights sum to one), or None.
     """
     _check_inputs(q, k_pool, v_pool, page_table, seq_lens)
     _check_scales(k_pool, k_scale, v_scale)
+    if v_mean is not None:
+        assert k_scale is not None, "v_mean goes with an FP8 pool"
+        assert v_mean.shape == (k_pool.shape[2], q.shape[2]) and v_mean.is_contiguous(), v_mean.shape
+        assert v_mean.dtype == torch.float32 and v_mean.device == q.device, v_mean.dtype
     _check_tiered(k_pool, tiered)
     config = config or default_decode_config(k_pool.dtype, tiered is not None)
     assert tiered is None or config.block_n >= 16, config  # the tiered dots need >= 16 keys
@@ -660,7 +676,7 @@ def decode_attention(
         assert part_out.shape == (batch, num_heads, num_splits, head_dim), part_out.shape
         assert part_lse.shape == (batch, num_heads, num_splits) and part_out.is_contiguous()
     _launch(q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, scale,
-            num_splits, config, k_scale, v_scale, tiered)  # fmt: skip
+            num_splits, config, k_scale, v_scale, tiered, v_mean)  # fmt: skip
     return out
 
 
@@ -722,6 +738,7 @@ def _launch(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     tiered: TieredPages | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> tuple:
     """Launch the split kernel (and the merge kernel when num_splits > 1); returns Triton's
     compiled kernels (registers, shared memory; the merge entry is None when skipped)."""
@@ -730,7 +747,8 @@ def _launch(
     group = num_heads // num_kv_heads
     direct = num_splits == 1
     grid = (batch, num_kv_heads, num_splits)
-    scales = (seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale)
+    scales = (seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,
+              seq_lens if v_mean is None else v_mean)  # fmt: skip
     strides = (q.stride(0), q.stride(1),
                k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
                v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
@@ -738,7 +756,7 @@ def _launch(
     common = dict(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        CENTER=v_mean is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if tiered is not None:
         aligned, step = _tiled_step(page_size, config.block_n)
@@ -759,8 +777,9 @@ def _launch(
     merge = None
     if not direct:
         merge = _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            part_out, part_lse, out, scales[2], num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            GROUP=group, CENTER=v_mean is not None,
             num_warps=4 if head_dim * num_splits >= 4096 else 2,
         )  # fmt: skip
     return split, merge

@@ -857,8 +857,8 @@ def _launch_split(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     merge = _decode_merge_kernel[(num_tokens, num_heads)](
-        part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        part_out, part_lse, out, part_lse, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), GROUP=1, CENTER=False,
         num_warps=4 if head_dim * num_splits >= 4096 else 2,
     )  # fmt: skip
     return split, merge

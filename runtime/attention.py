@@ -202,19 +202,18 @@ class TritonAttentionBackend(AttentionBackend):
                 self._max_seq, self.device,
             )  # fmt: skip
         work = self._scratch(q.shape[0], q.shape[1], q.shape[2])
-        if not batch.is_decode:
+        if not batch.is_decode:  # channel means: decode adds v_mean in its epilogue
             out = self._extend_mod.extend_attention(
                 q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
                 scale, max_extend_len=max(batch.extend_lens_cpu), k_scale=k_scale, v_scale=v_scale,
                 num_splits=self._num_splits, workspace=work, tiered=tiered,
             )  # fmt: skip
-        else:
-            out = self._decode.decode_attention(
-                q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
-                num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
-                tiered=tiered,
-            )  # fmt: skip
-        return pool.add_v_mean(out, layer_id)
+            return pool.add_v_mean(out, layer_id)
+        return self._decode.decode_attention(
+            q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
+            num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
+            tiered=tiered, v_mean=pool.v_mean[layer_id],
+        )  # fmt: skip
 
 
 def _triton_available() -> bool:

@@ -132,6 +132,13 @@ def test_decode_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> Non
                                num_splits=num_splits, config=DecodeConfig(block_n=16, num_warps=2, num_stages=1),
                                k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         assert rel_error(out, ref) < 1e-5, num_splits
+        # Centred values: v_mean joins the output in the epilogue (direct) or the merge.
+        v_mean = torch.randn(num_kv_heads, 32, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+        out = decode_attention(case.q, k8, v8, case.page_table, case.seq_lens, case.scale,
+                               num_splits=num_splits, config=DecodeConfig(block_n=16, num_warps=2, num_stages=1),
+                               k_scale=k_scale, v_scale=v_scale, v_mean=v_mean)  # fmt: skip
+        group = num_heads // num_kv_heads
+        assert rel_error(out, ref + v_mean.repeat_interleave(group, 0)) < 1e-5, num_splits
     exact = reference.paged_attention(case.q, case.k_pool, case.v_pool, case.page_table, case.prefix,
                                       case.extend, case.scale)  # fmt: skip
     err = rel_error(ref, exact)

@@ -116,6 +116,13 @@ def test_decode_tiered_matches_reference(page_size, num_heads, num_kv_heads, hea
                                num_splits=num_splits, config=DecodeConfig(block_n=16, num_warps=2, num_stages=1),
                                k_scale=k_scale, v_scale=v_scale, tiered=tiered)  # fmt: skip
         assert rel_error(out, ref) < 1e-5, num_splits
+        # Centred values: v_mean added in the epilogue (both halves of D) or the merge.
+        v_mean = torch.randn(num_kv_heads, head_dim, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+        out = decode_attention(case.q, k8, v8, case.page_table, case.seq_lens, case.scale,
+                               num_splits=num_splits, config=DecodeConfig(block_n=16, num_warps=2, num_stages=1),
+                               k_scale=k_scale, v_scale=v_scale, tiered=tiered, v_mean=v_mean)  # fmt: skip
+        want = ref + v_mean.repeat_interleave(num_heads // num_kv_heads, 0)
+        assert rel_error(out, want) < 1e-5, num_splits
     exact = reference.paged_attention(case.q, case.k_pool, case.v_pool, case.page_table, case.prefix,
                                       case.extend, case.scale)  # fmt: skip
     err = rel_error(ref, exact)
