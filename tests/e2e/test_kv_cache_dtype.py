@@ -33,9 +33,10 @@ def test_fp8_server_answers_and_shares_fp8_prefix_pages(server_factory, idle_inv
         assert "Paris" in chat["choices"][0]["message"]["content"]
         idle_invariants(srv)
         log = srv.log()
-    assert "FP8 KV scales calibrated on 1627 tokens" in log
-    # 4096 tokens x 30 layers x 3 kv heads x 64 x 2 (K, V) x 1 byte + the dummy page + 720 B of scales
-    assert "4096 tokens, 47370960 bytes" in log and "720 bytes of metadata" in log
+    assert "FP8 KV scales and channel means calibrated on 1627 tokens" in log
+    # 4096 tokens x 30 layers x 3 kv heads x 64 x 2 (K, V) x 1 byte + the dummy page
+    # + 720 B of scales + 46,080 B of channel means (30 x 3 x 64 x 2 x float32)
+    assert "4096 tokens, 47417040 bytes" in log and "46800 bytes of metadata" in log
 
 
 def test_server_refuses_to_start_with_unusable_scales(server_factory, tmp_path):
@@ -62,8 +63,9 @@ def test_mixed_server_answers_reuses_pages_and_logs_its_capacity(server_factory,
         idle_invariants(srv)
         log = srv.log()
     # 257 pages x 120960 B of INT4 pages + statistics, 257 FP8 slot pages (the pool is
-    # small: every page may keep one) + 720 B of scales + 4 B per page of slot map
-    assert "4096 tokens, 78458708 bytes" in log and "7560 bytes/token = 0.328 of bf16" in log
+    # small: every page may keep one) + 720 B of scales + 46,080 B of channel means
+    # + 4 B per page of slot map
+    assert "4096 tokens, 78504788 bytes" in log and "7560 bytes/token = 0.328 of bf16" in log
     assert "257 FP8 slot pages" in log
 
 
