@@ -53,6 +53,7 @@ __all__ = [
 CALIBRATION_TEXT = Path(__file__).parent / "data" / "kv_calibration.txt"
 FORMAT = "radixlm-kv-scales-v2"
 FORMAT_V1 = "radixlm-kv-scales-v1"  # scales only: still read, as means of None
+MIN_SCALE = torch.finfo(torch.float32).tiny  # smallest normal float32 (1.18e-38)
 
 
 class KVScalesError(ValueError):
@@ -150,8 +151,9 @@ def load_kv_scales(
     [L, K, D] means) or a v1 file (scales only; means None).
 
     Raises KVScalesError naming the problem: unreadable file, not this format, a shape
-    other than the model's (layers, kv heads, head dim), a scale that is not finite and
-    > 0, or a mean that is not finite.
+    other than the model's (layers, kv heads, head dim), a scale that is not a finite
+    number >= float32's smallest normal, a mean that is not a finite number, or only one
+    of k_mean / v_mean.
     """
     try:
         doc = json.loads(Path(path).read_text())
@@ -173,11 +175,29 @@ def load_kv_scales(
                 "numbers (the model's layers x kv heads)"
             )
         values = [v for r in rows for v in r]
-        if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in values):
-            raise KVScalesError(f"--kv-scales-path {path}: every {key} must be a finite number > 0")
+        if not all(_is_number(v) and math.isfinite(v) and v >= MIN_SCALE for v in values):
+            raise KVScalesError(
+                f"--kv-scales-path {path}: every {key} must be a finite number > 0 "
+                f"(at least {MIN_SCALE:.3g}, float32's smallest normal: x / scale must not overflow)"
+            )
         out.append(torch.tensor(rows, dtype=torch.float32))
+    if ("k_mean" in doc) != ("v_mean" in doc):
+        missing = "v_mean" if "k_mean" in doc else "k_mean"
+        raise KVScalesError(f"--kv-scales-path {path}: {missing} is missing (channel means come in pairs)")
     means = [_load_mean(path, doc, key, num_layers, num_kv_heads, head_dim) for key in ("k_mean", "v_mean")]
     return KVScales(out[0], out[1], *means)
+
+
+def _is_number(v: Any) -> bool:
+    """A JSON number (not a boolean, which Python counts as an int)."""
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _flat(values: Any) -> list[Any]:
+    """The leaves of nested JSON lists."""
+    if isinstance(values, list):
+        return [leaf for v in values for leaf in _flat(v)]
+    return [values]
 
 
 def _load_mean(
@@ -186,10 +206,12 @@ def _load_mean(
     """[L, K, D] float32 from ``doc[key]``, or None when the file has none."""
     if key not in doc:
         return None
-    try:
-        mean = torch.tensor(doc[key], dtype=torch.float32)
-    except (TypeError, ValueError):
-        mean = None
+    mean = None
+    if all(_is_number(v) for v in _flat(doc[key])):
+        try:
+            mean = torch.tensor(doc[key], dtype=torch.float32)
+        except (TypeError, ValueError):  # ragged lists
+            mean = None
     ok = mean is not None and mean.dim() == 3 and tuple(mean.shape[:2]) == (num_layers, num_kv_heads)
     if not ok or (head_dim is not None and mean.shape[2] != head_dim):
         raise KVScalesError(

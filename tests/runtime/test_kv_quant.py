@@ -203,6 +203,19 @@ def test_scales_file_round_trip_and_errors(tmp_path: Path) -> None:
     k2, v2, km, vm = load_kv_scales(path, 3, 2, 4)
     torch.testing.assert_close(k2, k) and torch.testing.assert_close(v2, v)
     assert km is None and vm is None
+    # Means come in pairs; booleans are not numbers; a subnormal scale would overflow x / scale.
+    for edit, message in (
+        (lambda d: d.pop("v_mean"), "v_mean is missing"),
+        (lambda d: d["k_mean"][0][0].__setitem__(0, True), "k_mean must be 3 x 2 lists of 4 numbers"),
+        (lambda d: d["v_scale"][0].__setitem__(0, 1e-45), "every v_scale must be a finite number > 0"),
+    ):
+        save_kv_scales(path, KVScales(k, v, k_mean, v_mean))
+        doc = json.loads(path.read_text())
+        edit(doc)
+        path.write_text(json.dumps(doc))
+        with pytest.raises(KVScalesError, match=message):
+            load_kv_scales(path, 3, 2, 4)
+    save_kv_scales(path, KVScales(k, v))
     with pytest.raises(KVScalesError, match="k_scale must be 4 lists of 2"):
         load_kv_scales(path, 4, 2)
     doc = json.loads(path.read_text())
