@@ -63,20 +63,28 @@ def test_graph_runner_refuses_cpu(tiny_hf_model: Callable) -> None:
         CudaGraphRunner(model, pool, max_bs=2, max_pages=4, prev_ids=torch.zeros(2, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8, 13])
+@pytest.mark.parametrize(("batch", "kv"), [(1, "auto"), (3, "auto"), (8, "auto"), (13, "auto"),
+                                           (3, "fp8_e4m3+means"), (13, "fp8_e4m3+means")])  # fmt: skip
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int) -> None:
+def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int, kv: str) -> None:
     """B requests of different lengths (prefilled eagerly) decode one token through the
     graph (padded to the bucket): hidden states and the K/V written equal the eager pass,
-    and the dummy page absorbs the padding rows' writes."""
+    and the dummy page absorbs the padding rows' writes. ``fp8_e4m3+means``: FP8 pages
+    centred on channel means (the decode kernel adds v_mean in its epilogue)."""
     page = 4
     model = load_model(tiny_hf_model(max_position_embeddings=64)[0], torch.float32, "cuda", "triton")
     cfg = model.config
     rng = random.Random(batch)
+    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    quant: tuple = ()
+    if kv == "fp8_e4m3+means":
+        gen = torch.Generator().manual_seed(3)
+        quant = ("fp8_e4m3", torch.full((layers, kv_heads), 0.02), torch.full((layers, kv_heads), 0.03),
+                 torch.randn(layers, kv_heads, 16, generator=gen), torch.randn(layers, kv_heads, 16, generator=gen))  # fmt: skip
 
     def fresh() -> tuple[KVPool, list[list[int]], list[list[int]]]:
-        pool = KVPool(96, page, cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, "cuda")
+        pool = KVPool(96, page, layers, kv_heads, 16, torch.float32, "cuda", *quant)
         for layer in range(cfg.num_hidden_layers):  # pools start uninitialised
             pool.k[layer].zero_()
             pool.v[layer].zero_()
@@ -110,8 +118,8 @@ def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int) -> Non
     got = runner.replay(host_ids, positions, tables_g, src)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     for layer in range(cfg.num_hidden_layers):
-        torch.testing.assert_close(pool_g.k[layer][1:], pool_e.k[layer][1:], atol=1e-6, rtol=0)
-        torch.testing.assert_close(pool_g.v[layer][1:], pool_e.v[layer][1:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(pool_g.k[layer][1:].float(), pool_e.k[layer][1:].float(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(pool_g.v[layer][1:].float(), pool_e.v[layer][1:].float(), atol=1e-6, rtol=0)
     # Second step: every request decodes one more token, each row's table grew at most a page.
     with torch.inference_mode():
         want2 = model(ForwardBatch.build([[t] for t in next_ids], [p + 1 for p in positions], tables,
