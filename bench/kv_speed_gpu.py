@@ -72,11 +72,13 @@ BASE = {"dtype": torch.bfloat16, "name": "bf16"}
 DECODE_VARIANTS = [
     ("base", {"min_split_keys": 256}), ("base", {"min_split_keys": 1 << 20}),  # fewer splits
     ("base", {"block_n": 32}), ("base", {"block_n": 32, "num_warps": 2}),
-    ("fp8_e4m3", {"fp8_compute": "q", "block_n": 64}), ("fp8_e4m3", {"block_n": 64}),
-    ("fp8_e4m3", {"block_n": 128}), ("fp8_e4m3", {"block_n": 128, "num_warps": 2}),
-    ("fp8_e4m3", {"num_stages": 3}), ("fp8_e4m3", {"num_stages": 4}), ("fp8_e4m3", {"num_warps": 8}),
-    ("fp8_e4m3", {"programs_per_sm": 8}), ("fp8_e4m3", {"block_n": 256, "num_warps": 8}),
-    ("fp8_e4m3", {"block_n": 64, "num_stages": 4}),
+    # FP8 (defaults by batch, ``default_decode_config``): the pre-2026-12-02 default (128-key
+    # tiles, 4 warps, 2 stages, page-table entries loaded in the tile), no page-table
+    # lookahead, stage counts, the other batch class's config, q-dtype dots.
+    ("fp8_e4m3", {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 4, "pages_ahead": False}),
+    ("fp8_e4m3", {"pages_ahead": False}), ("fp8_e4m3", {"num_stages": 2}), ("fp8_e4m3", {"num_stages": 4}),
+    ("fp8_e4m3", {"block_n": 64, "num_warps": 2, "programs_per_sm": 4}),
+    ("fp8_e4m3", {"block_n": 32, "num_warps": 1, "programs_per_sm": 8}), ("fp8_e4m3", {"fp8_compute": "q"}),
     ("int4", {"block_n": 16}), ("int4", {"block_n": 32}), ("int4", {"block_n": 32, "num_warps": 2}),
     ("int4", {"num_stages": 1}), ("int4", {"num_stages": 3}), ("int4", {"num_warps": 8}),
     ("int4", {"block_n": 128}), ("int4", {"block_n": 128, "num_warps": 8}),
@@ -211,7 +213,7 @@ def bench_decode(
     outs = {}
     for name, (k, v, ks, vs, tiered) in pools.items():
         out = torch.empty_like(q)
-        splits = decode_num_splits(batch, KV_HEADS, ctx, device, default_decode_config(k.dtype, tiered is not None))
+        splits = decode_num_splits(batch, KV_HEADS, ctx, device, default_decode_config(k.dtype, tiered is not None, batch))
         row["splits"][name] = splits
 
         def fn(k=k, v=v, ks=ks, vs=vs, tiered=tiered, out=out, splits=splits):
@@ -225,7 +227,7 @@ def bench_decode(
         outs[name] = fn().clone()
         row[f"{name}_kv_bytes"] = int(2 * batch * ctx * KV_HEADS * HEAD_DIM * kv_bytes_per_elem(name))
         row[f"{name}_GBps"] = row[f"{name}_kv_bytes"] / row[f"{name}_us"] / 1e3
-    row["int4_kernel"] = decode_kernel_info(q, pools["int4"], table, seq, default_decode_config(FP8, True),
+    row["int4_kernel"] = decode_kernel_info(q, pools["int4"], table, seq, default_decode_config(FP8, True, batch),
                                             row["splits"]["int4"])  # fmt: skip
     for name in ("fp8", "int4", "mixed"):
         pool = "fp8_e4m3" if name == "fp8" else name
@@ -234,7 +236,7 @@ def bench_decode(
     row["variants_us"] = {}  # launch variants per pool (splits from the variant's config)
     for pool_name, kwargs in DECODE_VARIANTS:
         k, v, ks, vs, tiered = pools[pool_name]
-        config = dataclasses.replace(default_decode_config(k.dtype, tiered is not None), **kwargs)
+        config = dataclasses.replace(default_decode_config(k.dtype, tiered is not None, batch), **kwargs)
         n = decode_num_splits(batch, KV_HEADS, ctx, device, config)
         out = torch.empty_like(q)
         key = pool_name + ":" + ",".join(f"{a}={b}" for a, b in kwargs.items())

@@ -53,7 +53,13 @@ dtype in registers and the K scale is folded into the softmax scale
 (q . (k8 * s_k) = s_k (q . k8)); V is used unscaled in the accumulator and the output is
 multiplied by s_v once (sum_j p_j v8_j s_v = s_v sum_j p_j v8_j). Half the bytes of bf16
 per key; the dequantisation costs one convert per element, to fp16 by default
-(``DecodeConfig.fp8_compute``: the dots then run in fp16 whatever q's dtype).
+(``DecodeConfig.fp8_compute``: the dots then run in fp16 whatever q's dtype). The convert
+is not what held FP8 back (bench/fp8_decode_probe.py: a bit-operation convert was slower,
+QK^T on FP8 tensor cores no faster): it was K/V loads left waiting on each tile's
+page-table load. FP8 launches load the page-table entries one tile ahead
+(``DecodeConfig.pages_ahead``) with 3 stages and small tiles on 1-2 warps, so more loads
+are in flight per SM (1.51-1.62x bf16 pages at batch 32-128; bf16 pages of half the head
+dim, the same bytes, take 0.52-0.58 of bf16).
 
 Tiered pools (int4 / mixed, ``TieredPages``; docs/ARCHITECTURE.md "Quantised KV cache"):
 the k/v pools are the FP8 slots [F, S, K, D] and each logical page is either in the slot
@@ -98,8 +104,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_DECODE_CONFIG", "TIERED_DECODE_CONFIG", "DecodeConfig", "DecodeWorkspace", "TieredPages",
-           "decode_attention", "decode_num_splits", "default_decode_config"]
+__all__ = ["FP8_DECODE_CONFIG", "FP8_LARGE_BATCH_DECODE_CONFIG", "TIERED_DECODE_CONFIG", "DecodeConfig",
+           "DecodeWorkspace", "TieredPages", "decode_attention", "decode_num_splits", "default_decode_config"]
 
 LOG2E = 1.4426950408889634
 
@@ -120,26 +126,43 @@ class DecodeConfig:
     # (clamped to +-65504) and p rounded to fp16 (finer than bf16 on [0, 1]); "q": q's
     # dtype (for bf16 queries the convert goes e4m3 -> f16 -> f32 -> bf16).
     fp8_compute: str = "fp16"
+    # Split kernel: load each tile's page-table entries (and compute its K/V offsets) one
+    # tile ahead, so the software pipeliner's K/V prefetch does not first wait on a
+    # page-table load. Worth 15-20% on FP8 pages with 3 stages (below); bf16 pages are at
+    # the copy bandwidth already and stay without (within +-5% either way on the H200).
+    pages_ahead: bool = False
 
 
-# FP8 pages: 128-key tiles (the same 16 KB per K tile as bf16's 64 keys) and fp16 dots. H200,
-# batch 32, 8 kv heads, D 128 (bench/kv_speed_gpu.py): 32K keys 840 us vs 1186 us with 64-key
-# tiles and 992 us with bf16 dots (bf16 pages: 994 us); 8K keys 223 vs 321 / 258 (263).
-FP8_DECODE_CONFIG = DecodeConfig(block_n=128)
+# FP8 pages (fp16 dots). H200, 8 kv heads, D 128, 2026-12-02 (bench/fp8_decode_probe.py):
+# page-table entries one tile ahead + 3 stages let the pipeliner keep the K/V loads in
+# flight; 64-key tiles on 2 warps are the best or close to it up to batch 16, and 32-key
+# tiles on 1 warp with up to 8 programs per SM from batch 32 (more programs in flight, ~100
+# registers each). Batch 32 x 32K keys: 657 us (bf16 pages 989 us, 1.51x; 64 keys / 2
+# warps 695 us; the old 128 keys / 4 warps / 2 stages 841 us); 128 x 8K 637 us (bf16 1033);
+# 8 x 8K 57 us with 64 keys / 2 warps (59 with the large-batch config; bf16 80). The only
+# shape where 128-key tiles on 4 warps win is batch 1 at 2K keys (13.4 vs 14.9 us).
+FP8_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, pages_ahead=True)
+FP8_LARGE_BATCH_DECODE_CONFIG = DecodeConfig(
+    block_n=32, num_warps=1, num_stages=3, programs_per_sm=8, pages_ahead=True
+)
+FP8_LARGE_BATCH = 32  # requests per decode step from which FP8_LARGE_BATCH_DECODE_CONFIG is used
 # Tiered pools (int4 / mixed; ``_decode_tiered_kernel``). H200, batch 32, 8 kv heads, D 128
 # (bench/kv_speed_gpu.py, 2026-11-30): 32K keys 4724 us (bf16 pages 994 us), 8K 1204 us
 # (263); of its DECODE_VARIANTS only block_n 32 / 2 warps is faster (4293 / 1092 us, with
 # 10 bytes of spills); the others take 4.6-6.7 ms at 32K: the kernel is bound by the
 # dequantisation instructions (~300 GB/s of INT4 bytes), not by memory.
 TIERED_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=2)
-
-
-def default_decode_config(pool_dtype: torch.dtype, tiered: bool = False) -> DecodeConfig:
+def default_decode_config(pool_dtype: torch.dtype, tiered: bool = False, batch: int = 1) -> DecodeConfig:
     """The launch parameters used when the caller passes none: ``TIERED_DECODE_CONFIG`` for
-    tiered pools, ``FP8_DECODE_CONFIG`` for float8_e4m3fn pools, else ``DecodeConfig()``."""
+    tiered pools; for float8_e4m3fn pools ``FP8_LARGE_BATCH_DECODE_CONFIG`` from
+    ``FP8_LARGE_BATCH`` requests, else ``FP8_DECODE_CONFIG``; else ``DecodeConfig()``.
+    Depends on the batch size only (not the context), so a CUDA graph captured for a batch
+    bucket and the eager path pick the same kernel."""
     if tiered:
         return TIERED_DECODE_CONFIG
-    return FP8_DECODE_CONFIG if pool_dtype == torch.float8_e4m3fn else DecodeConfig()
+    if pool_dtype == torch.float8_e4m3fn:
+        return FP8_LARGE_BATCH_DECODE_CONFIG if batch >= FP8_LARGE_BATCH else FP8_DECODE_CONFIG
+    return DecodeConfig()
 
 
 class TieredPages(NamedTuple):
@@ -354,7 +377,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
-    CENTER: tl.constexpr,
+    CENTER: tl.constexpr, PAGES_AHEAD: tl.constexpr, SAME_STRIDES: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -384,13 +407,28 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    if PAGES_AHEAD:  # page-table entries and K/V offsets one tile ahead: only the K/V loads wait in a tile
+        keys = start + tl.arange(0, BLOCK_N)
+        page = tl.load(page_row + keys // PAGE_SIZE, mask=keys < end, other=0).to(tl.int64)
+        k_off_next = page * stride_kp + (keys % PAGE_SIZE) * stride_ks
+        v_off_next = page * stride_vp + (keys % PAGE_SIZE) * stride_vs
     for n0 in range(start, end, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
         valid = keys < end
-        page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = keys % PAGE_SIZE
-        k_off = page * stride_kp + slot * stride_ks  # [Nb]
-        v_off = page * stride_vp + slot * stride_vs
+        if PAGES_AHEAD:
+            k_off = k_off_next
+            ahead = keys + BLOCK_N
+            page = tl.load(page_row + ahead // PAGE_SIZE, mask=ahead < end, other=0).to(tl.int64)
+            k_off_next = page * stride_kp + (ahead % PAGE_SIZE) * stride_ks
+            if SAME_STRIDES:  # one offset vector for both pools (fewer live registers)
+                v_off = k_off
+            else:
+                v_off = v_off_next
+                v_off_next = page * stride_vp + (ahead % PAGE_SIZE) * stride_vs
+        else:
+            page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            k_off = page * stride_kp + (keys % PAGE_SIZE) * stride_ks  # [Nb]
+            v_off = page * stride_vp + (keys % PAGE_SIZE) * stride_vs
         k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT == 1:
             k = k.to(q.dtype)
@@ -636,8 +674,9 @@ def decode_attention(
         workspace: optional scratch for N > 1, exactly ``DecodeWorkspace.allocate(B, H, N, D)``
             (allocated per call when omitted).
         config: launch parameters (block size, warps, stages, split heuristic); default
-            ``default_decode_config`` (``DecodeConfig()``, ``FP8_DECODE_CONFIG`` for FP8
-            pools, ``TIERED_DECODE_CONFIG`` with ``tiered``; block_n >= 16 there).
+            ``default_decode_config`` (``DecodeConfig()``, ``FP8_DECODE_CONFIG`` /
+            ``FP8_LARGE_BATCH_DECODE_CONFIG`` by batch size for FP8 pools,
+            ``TIERED_DECODE_CONFIG`` with ``tiered``; block_n >= 16 there).
         k_scale, v_scale: [K] float32 per-kv-head scales, required for (and only for)
             float8_e4m3fn pools (value = stored * scale).
         tiered: int4 / mixed pools: the INT4 pages and the page -> FP8 slot map
@@ -655,7 +694,7 @@ def decode_attention(
         assert v_mean.shape == (k_pool.shape[2], q.shape[2]) and v_mean.is_contiguous(), v_mean.shape
         assert v_mean.dtype == torch.float32 and v_mean.device == q.device, v_mean.dtype
     _check_tiered(k_pool, tiered)
-    config = config or default_decode_config(k_pool.dtype, tiered is not None)
+    config = config or default_decode_config(k_pool.dtype, tiered is not None, q.shape[0])
     assert tiered is None or config.block_n >= 16, config  # the tiered dots need >= 16 keys
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
@@ -772,6 +811,7 @@ def _launch(
             scale * LOG2E, num_splits, *strides,
             QUANT=int(k_scale is not None),
             F16_DOT=k_scale is not None and config.fp8_compute == "fp16" and q.dtype != torch.float32,
+            PAGES_AHEAD=config.pages_ahead, SAME_STRIDES=k_pool.stride() == v_pool.stride(),
             **common,
         )  # fmt: skip
     merge = None

@@ -158,7 +158,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._max_seq = max_seq
         self._num_splits = None  # extend: set by the first layer (it knows the query heads)
         if batch.is_decode:
-            config = self._decode.default_decode_config(pool.dtype, pool.tiered)  # the kernel's
+            config = self._decode.default_decode_config(pool.dtype, pool.tiered, batch.batch_size)  # the kernel's
             self._num_splits = self._decode.decode_num_splits(
                 batch.batch_size, pool.num_kv_heads, max_seq, self.device, config
             )

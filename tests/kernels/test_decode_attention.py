@@ -18,10 +18,15 @@ pytest.importorskip("triton")
 
 from radixlm.kernels import reference  # noqa: E402
 from radixlm.kernels.decode_attention import (  # noqa: E402
+    FP8_DECODE_CONFIG,
+    FP8_LARGE_BATCH,
+    FP8_LARGE_BATCH_DECODE_CONFIG,
+    TIERED_DECODE_CONFIG,
     DecodeConfig,
     DecodeWorkspace,
     decode_attention,
     decode_num_splits,
+    default_decode_config,
 )
 
 # Sequence lengths (prefix + the one new token): 1-token request, not multiples of 4/16,
@@ -88,6 +93,39 @@ def test_decode_default_launch_and_strided_q(paged_case, relerr) -> None:
     q = qkv[:, : case.q.shape[1]]
     out = decode_attention(q, case.k_pool, case.v_pool, case.page_table, case.seq_lens, case.scale)
     assert relerr(out, _reference(case)) < 1e-5
+
+
+@pytest.mark.parametrize("split_pools", [False, True])
+def test_decode_pages_ahead(paged_case, relerr, split_pools) -> None:
+    """Page-table entries loaded one tile ahead (``pages_ahead``, the FP8 default): same
+    result as the reference, with K and V pools of equal strides (one offset vector) and
+    of different strides (V a slice of a wider tensor: its own offsets)."""
+    case = paged_case([(n - 1, 1) for n in LENS], 8, 2, 32, 4, seed=5)
+    v_pool = case.v_pool
+    if split_pools:
+        wide = torch.full((*v_pool.shape[:3], 2 * v_pool.shape[3]), float("nan"), device=v_pool.device)
+        wide[..., : v_pool.shape[3]] = v_pool
+        v_pool = wide[..., : v_pool.shape[3]]
+        assert v_pool.stride() != case.k_pool.stride()
+    config = DecodeConfig(block_n=16, num_warps=1, num_stages=3, pages_ahead=True)
+    for num_splits in (1, 3):
+        out = decode_attention(case.q, case.k_pool, v_pool, case.page_table, case.seq_lens, case.scale,
+                               num_splits=num_splits, config=config)  # fmt: skip
+        assert relerr(out, _reference(case)) < 1e-5, num_splits
+
+
+def test_default_decode_config_by_pool_and_batch() -> None:
+    """bf16 pools: ``DecodeConfig()``; FP8: 64-key tiles on 2 warps below FP8_LARGE_BATCH
+    requests, 32-key tiles on 1 warp from it (both with page-table entries ahead); tiered
+    pools their own. The batch size alone decides (a CUDA graph bucket and the eager path
+    agree)."""
+    assert default_decode_config(torch.bfloat16, batch=128) == DecodeConfig()
+    assert default_decode_config(torch.float8_e4m3fn, batch=FP8_LARGE_BATCH - 1) == FP8_DECODE_CONFIG
+    assert default_decode_config(torch.float8_e4m3fn, batch=FP8_LARGE_BATCH) == FP8_LARGE_BATCH_DECODE_CONFIG
+    assert default_decode_config(torch.float8_e4m3fn, tiered=True, batch=64) == TIERED_DECODE_CONFIG
+    assert FP8_DECODE_CONFIG.pages_ahead and FP8_LARGE_BATCH_DECODE_CONFIG.pages_ahead
+    assert (FP8_DECODE_CONFIG.block_n, FP8_DECODE_CONFIG.num_warps, FP8_DECODE_CONFIG.num_stages) == (64, 2, 3)
+    assert (FP8_LARGE_BATCH_DECODE_CONFIG.block_n, FP8_LARGE_BATCH_DECODE_CONFIG.num_warps) == (32, 1)
 
 
 def test_num_splits_heuristic() -> None:

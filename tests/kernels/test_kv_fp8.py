@@ -128,10 +128,11 @@ def test_decode_fp8_matches_reference(page_size, num_heads, num_kv_heads) -> Non
                                                k_scale, v_scale)  # fmt: skip
     assert rel_error(batched, ref) < 1e-5
     for num_splits in (1, 3):
-        out = decode_attention(case.q, k8, v8, case.page_table, case.seq_lens, case.scale,
-                               num_splits=num_splits, config=DecodeConfig(block_n=16, num_warps=2, num_stages=1),
-                               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
-        assert rel_error(out, ref) < 1e-5, num_splits
+        for config in (DecodeConfig(block_n=16, num_warps=2, num_stages=1),
+                       DecodeConfig(block_n=16, num_warps=1, num_stages=3, pages_ahead=True)):  # fmt: skip
+            out = decode_attention(case.q, k8, v8, case.page_table, case.seq_lens, case.scale,
+                                   num_splits=num_splits, config=config, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+            assert rel_error(out, ref) < 1e-5, (num_splits, config)
         # Centred values: v_mean joins the output in the epilogue (direct) or the merge.
         v_mean = torch.randn(num_kv_heads, 32, generator=torch.Generator().manual_seed(9)).to(DEVICE)
         out = decode_attention(case.q, k8, v8, case.page_table, case.seq_lens, case.scale,
