@@ -13,7 +13,8 @@ embedding table, of which a step reads only B rows).
 
 ``--kv-cache-dtype fp8_e4m3`` runs FP8 pages with placeholder scales (speed does not
 depend on their values); ``--kv-centred`` adds channel means, so the step also pays for
-subtracting them in store_kv and adding ``v_mean`` back to every layer's output.
+subtracting them in store_kv and adding ``v_mean`` back to every layer's output (in the
+decode kernels' epilogue: the direct store or the split merge).
 """
 
 from __future__ import annotations

@@ -18,14 +18,28 @@ D 128, page 16, bf16 queries):
 * ``probe:qk8``: the QK^T dot on FP8 tensor cores (q quantised per query head to e4m3 with
   its own scale, K used as stored), V converted as production;
 * ``probe:qk8pv8``: both dots in FP8 (p scaled by 256 and rounded to e4m3, as FlashAttention-3's
-  FP8 path does for P).
+  FP8 path does for P);
+* ``prod:...``: the production kernel with other launch parameters (``DecodeConfig``:
+  block_n, warps, stages, programs per SM, ``pages_ahead``).
 
-Each variant over block_n 64 / 128 and 4 / 8 warps; the relative error of each against the
-float32 reference on the same FP8 pages (batch 4 x 8K). GPU times: bench_kernels.Timer
-(CUDA-graph replay, L2 flushed, median).
+Probe MODEs also include ``prefetch`` (the next tile's K/V loaded into registers one
+iteration ahead) and ``pages_ahead`` (the next tile's page-table entries and offsets
+computed one iteration ahead: what the production kernel now does). The relative error of
+each variant against the float32 reference on the same FP8 pages is taken at batch 4 x 8K.
+GPU times: bench_kernels.Timer (CUDA-graph replay, L2 flushed, median). The JSON also
+records each probe kernel's registers, spills, shared memory and its PTX's ``cp.async``
+count (whether Triton's software pipeliner staged the loads).
 
-Usage: ``. bench/gpu_env.sh && python3 bench/fp8_decode_probe.py --out $OUT``
-(``--smoke``: tiny shapes under TRITON_INTERPRET=1 on the CPU, errors only).
+Usage (H200: ~1-2 minutes)::
+
+    . bench/gpu_env.sh && python3 bench/fp8_decode_probe.py --out $OUT \
+        [--shapes 1x2048,8x8192,32x8192,32x32768,128x8192] \
+        [--probe-variants cvt:128:4:2:4,bits:128:4:2:4,qk8:128:4:2:4,pages_ahead:64:2:3:4] \
+        [--prod-variants fp8:128:4:2:4:-,fp8:64:2:3:4:a,fp8:32:1:3:8:a]
+
+``--smoke``: tiny shapes under TRITON_INTERPRET=1 on the CPU (errors only). The runs of
+2026-12-02 and what they found: BENCHMARKS.md ("FP8 decode attention, page-table entries
+ahead").
 """
 
 from __future__ import annotations
