@@ -35,6 +35,12 @@ TokenIdInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
 StopField = str | list[str] | None
 
 
+def _json_type(v: Any) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", type(None): "null"}
+    return names.get(type(v), type(v).__name__)
+
+
 def _stop_tuple(stop: StopField) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -73,6 +79,14 @@ class _Sampling(BaseModel):
         patterns = () if v is None else (v,) if isinstance(v, str) else tuple(v)
         check_stop_regex(patterns)
         return patterns
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_type(cls, v: Any) -> Any:
+        """A 400 naming ``json_schema`` itself, not the union member tried (``json_schema.str``)."""
+        if v is not None and not isinstance(v, str | dict):
+            raise ValueError(f"json_schema must be a JSON schema as a string or an object (got {_json_type(v)})")
+        return v
 
     @field_validator("json_schema", mode="after")
     @classmethod
@@ -243,6 +257,15 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = None
     schema_: dict[str, Any] | bool = Field(alias="schema")
     strict: bool | None = None
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _schema_type(cls, v: Any) -> Any:
+        """A 400 naming ``schema`` itself, not the union member tried (``schema.dict[str,any]``); and
+        no lax coercion of 1 or "yes" to the schema ``true``."""
+        if not isinstance(v, dict | bool):
+            raise ValueError(f"schema must be a JSON schema as an object or a boolean (got {_json_type(v)})")
+        return v
 
 
 class ResponseFormat(BaseModel):

@@ -169,6 +169,9 @@ def test_c16_json_object_and_malformed_formats(server):
         ({"type": "json_schema", "schema": C16_SCHEMA}, "response_format.schema"),  # wrong placement
         ({"type": "xml"}, "response_format.type"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}, "response_format"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}, "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": "yes"}},  # not coerced to true
+         "response_format.json_schema.schema"),
     ]:
         status, body = _chat(server, "hi", response_format=fmt, max_tokens=4)
         assert status == 400, (fmt, body)
@@ -286,6 +289,8 @@ def test_c20_strings_only_hold_legal_escapes(server, schema_prefix):
     ({"json_schema": '{"type": "objectx"}'}, "sampling_params.json_schema", "objectx"),
     ({"regex": "a+", "ebnf": 'root ::= "a"'}, "sampling_params", "at most one"),
     ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "sampling_params.json_schema", "uniqueItems"),
+    ({"json_schema": True}, "sampling_params.json_schema", "string or an object (got boolean)"),
+    ({"json_schema": False}, "sampling_params.json_schema", "string or an object (got boolean)"),
 ])
 def test_bad_grammar_is_400_with_the_compiler_message(server, sampling, param, fragment):
     with server.client() as c:
