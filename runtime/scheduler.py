@@ -296,7 +296,9 @@ class Scheduler:
         if verdict is not None:
             req.finish(*verdict)
         elif req.grammar is not None and req.grammar.is_terminated():
-            req.finish("stop")  # the grammar is complete and took a stop token
+            # The grammar is complete and took a stop token (an EOS, also under ignore_eos or
+            # min_new_tokens): reported as matched, as SGLang does.
+            req.finish("stop", req.output_ids[-1])
 
     def _finish(self, req: Req) -> None:
         # Tokens still in flight are dropped; their KV positions may be computed already.

@@ -68,6 +68,19 @@ def test_ebnf_50_of_50(server):
     assert texts <= {"The answer is yes.", "The answer is no."}, texts
 
 
+def test_a_completed_grammar_reports_the_eos_it_took_as_matched(server):
+    """The grammar ends a request through the EOS it allows, also under ignore_eos and
+    min_new_tokens: native ``matched`` is that token's id, as for a plain EOS (SGLang)."""
+    finishes = []
+    for extra in ({}, {"ignore_eos": True}, {"min_new_tokens": 16}):
+        (out,) = _generate(server, "Is water wet? ", 1, temperature=0, max_new_tokens=20, ebnf=ANSWER_EBNF, **extra)
+        finishes.append(out["meta_info"]["finish_reason"])
+        assert finishes[-1] == {"type": "stop", "matched": out["output_ids"][-1]}, out
+    assert finishes[0] == finishes[1] == finishes[2], finishes
+    status, body = _chat(server, "Is water wet?", ebnf=ANSWER_EBNF, ignore_eos=True, temperature=0, max_tokens=20)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop", body
+
+
 def test_grammar_rows_leave_the_rest_of_the_batch_untouched(server):
     """An unconstrained greedy request gives the same tokens alone and batched with
     constrained ones; a repeated constrained prompt reuses the radix cache."""

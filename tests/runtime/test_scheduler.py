@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
+import xgrammar as xgr
 
 from radixlm.radix.eviction import ContinuationOdds
 from radixlm.runtime import messages as m
@@ -89,6 +91,38 @@ def test_eos_stops_unless_ignored():
     assert outs["a"].new_token_ids == [EOS] and outs["a"].finish_reason == "stop"
     assert outs["a"].matched_stop == EOS
     assert outs["b"].new_token_ids == [EOS] * 4 and outs["b"].finish_reason == "length"
+
+
+class ScriptedRunner(StubRunner):
+    """Samples the tokens of ``script`` in turn, then EOS."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__()
+        self.script = iter(script)
+
+    def launch(self, decision) -> PendingStep:
+        results = [ItemResult(next_id=next(self.script, EOS) if it.samples else None) for it in decision.items]
+        return PendingStep(decision.items, results)
+
+
+@pytest.mark.parametrize("params", [{}, {"ignore_eos": True}, {"min_new_tokens": 5}])
+def test_a_completed_grammar_reports_its_stop_token_as_matched(params: dict):
+    """The grammar outranks ignore_eos and min_new_tokens; either way the EOS it allowed
+    is the matched stop (SGLang's FINISH_MATCHED_TOKEN), as for a plain EOS."""
+    info = xgr.TokenizerInfo(["a", "b", "</s>"], stop_token_ids=[EOS])
+    compiled = xgr.GrammarCompiler(info).compile_regex("ab")
+    s = make(ScriptedRunner([0, 1, EOS]), debug_invariants=True)
+    s._grammars = SimpleNamespace(get=lambda key: _done(compiled), matcher=xgr.GrammarMatcher)
+    s.handle(gen("a", max_new_tokens=8, regex="ab", **params))
+    (out,) = run(s)
+    assert out.new_token_ids == [0, 1, EOS] and out.finish_reason == "stop"
+    assert out.matched_stop == EOS and s.violations == []
+
+
+def _done(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
 
 
 def test_second_request_reports_page_aligned_cached_tokens():
