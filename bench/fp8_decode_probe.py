@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kernels import Timer, rel_err  # noqa: E402
+from bench_kernels import Timer, _kernel_info, rel_err  # noqa: E402
 
 from radixlm.kernels import reference  # noqa: E402
 from radixlm.kernels.decode_attention import (  # noqa: E402
@@ -183,11 +183,12 @@ def _probe_split_kernel(
 
 
 def kernel_info(kernel) -> dict:
-    """Registers, spills and the PTX's async-copy / global-load counts of a compiled kernel
-    (cp.async present = Triton's software pipeliner staged a load through shared memory)."""
+    """bench_kernels' registers / spills / shared memory of a compiled kernel, plus its PTX's
+    async-copy and global-load counts (cp.async present = Triton's software pipeliner staged
+    a load through shared memory)."""
     ptx = kernel.asm.get("ptx", "")
-    return {"regs": kernel.n_regs, "spills": kernel.n_spills, "shared": kernel.metadata.shared,
-            "cp_async": ptx.count("cp.async.ca") + ptx.count("cp.async.cg"), "ld_global": ptx.count("ld.global")}
+    return {**_kernel_info(kernel), "cp_async": ptx.count("cp.async.ca") + ptx.count("cp.async.cg"),
+            "ld_global": ptx.count("ld.global")}  # fmt: skip
 
 
 def probe_decode(q, k8, v8, table, seq, scale, ks, vs, mode, block_n, num_warps, splits, ws, out, stages=2,

@@ -58,8 +58,8 @@ is not what held FP8 back (bench/fp8_decode_probe.py: a bit-operation convert wa
 QK^T on FP8 tensor cores no faster): it was K/V loads left waiting on each tile's
 page-table load. FP8 launches load the page-table entries one tile ahead
 (``DecodeConfig.pages_ahead``) with 3 stages and small tiles on 1-2 warps, so more loads
-are in flight per SM (1.51-1.62x bf16 pages at batch 32-128; bf16 pages of half the head
-dim, the same bytes, take 0.52-0.58 of bf16).
+are in flight per SM (1.49-1.62x bf16 pages at batch 32-128 on the H200 across runs; bf16
+pages of half the head dim, the same bytes, take 0.52-0.58 of bf16).
 
 Tiered pools (int4 / mixed, ``TieredPages``; docs/ARCHITECTURE.md "Quantised KV cache"):
 the k/v pools are the FP8 slots [F, S, K, D] and each logical page is either in the slot
@@ -152,6 +152,8 @@ FP8_LARGE_BATCH = 32  # requests per decode step from which FP8_LARGE_BATCH_DECO
 # 10 bytes of spills); the others take 4.6-6.7 ms at 32K: the kernel is bound by the
 # dequantisation instructions (~300 GB/s of INT4 bytes), not by memory.
 TIERED_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+
+
 def default_decode_config(pool_dtype: torch.dtype, tiered: bool = False, batch: int = 1) -> DecodeConfig:
     """The launch parameters used when the caller passes none: ``TIERED_DECODE_CONFIG`` for
     tiered pools; for float8_e4m3fn pools ``FP8_LARGE_BATCH_DECODE_CONFIG`` from
