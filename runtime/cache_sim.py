@@ -27,15 +27,18 @@ algorithms for a virtual-storage computer") at page granularity on the same requ
 a page is identified by its whole token prefix; when over budget it evicts the page
 (not one of the current request's) whose next *counted* use -- the next request whose
 matched part, ``prompt[:-1]``, contains it -- is farthest in the future, deeper pages
-first on ties.
+first on ties. A page that some request makes resident again before its next counted
+use (its path holds the page but its matched part does not) counts as never used: that
+request reloads it for free, so keeping it until then gains nothing.
 
 * Exact optimum of this model (instant requests, unit-size pages, each request makes
   its inserted pages resident together, a hit counts the cached leading pages of
   ``prompt[:-1]``), by the usual exchange argument: a schedule that evicts q where MIN
   evicts p can evict p instead without losing a hit, since p is not needed before q.
-  A page's descendants are never used before it, so with the depth tie-break MIN's
-  cache stays prefix-closed, like the tree's. ``tests/runtime/test_cache_sim.py``
-  checks it against exhaustive search over every eviction choice on small traces.
+  The free reloads can leave MIN's cache holding a page without its parent (the
+  parent comes back before either is used), which no radix tree can do.
+  ``tests/runtime/test_cache_sim.py`` checks MIN against exhaustive search over every
+  eviction choice on small traces.
 * Upper bound for every radix-tree policy: evicting whole leaves is one of the page
   schedules MIN competes with. The best whole-leaf schedule (variable-size caching,
   NP-hard in general) may stay below MIN.
@@ -190,6 +193,12 @@ class _MinCache:
         self.cached = bytearray(pt.num_pages)
         self.next_use = [self.never] * pt.num_pages
         self.cursor = [0] * pt.num_pages  # index into uses[p] of the next use
+        # admits[p]: requests that make p resident (p in their path cut to the budget)
+        self.admits: list[list[int]] = [[] for _ in range(pt.num_pages)]
+        for j, path in enumerate(pt.paths):
+            for page in path[:capacity]:
+                self.admits[page].append(j)
+        self.admit_cursor = [0] * pt.num_pages
         self.size = self.evicted = 0
         self.heap: list[tuple[int, int, int]] = []
 
@@ -214,11 +223,19 @@ class _MinCache:
         self._evict(set(path))
 
     def _advance(self, page: int, j: int) -> None:
-        uses, k = self.pt.uses[page], self.cursor[page]
-        while k < len(uses) and uses[k] <= j:
+        """Eviction key of ``page`` after request j: its next counted use, or ``never``
+        when a request that does not count it makes it resident first (keeping it until
+        then gains nothing: that request reloads it for free)."""
+        use = self._next(self.pt.uses[page], self.cursor, page, j)
+        admit = self._next(self.admits[page], self.admit_cursor, page, j)
+        self.next_use[page] = use if use == admit else self.never
+
+    def _next(self, requests: list[int], cursor: list[int], page: int, j: int) -> int:
+        k = cursor[page]
+        while k < len(requests) and requests[k] <= j:
             k += 1
-        self.cursor[page] = k
-        self.next_use[page] = uses[k] if k < len(uses) else self.never
+        cursor[page] = k
+        return requests[k] if k < len(requests) else self.never
 
     def _evict(self, locked: set[int]) -> None:
         held = []

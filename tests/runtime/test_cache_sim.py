@@ -164,6 +164,16 @@ def exhaustive_optimum(pt: PageTrace, page_size: int, capacity: int) -> int:
     return best(0, frozenset())
 
 
+def test_belady_evicts_a_page_that_is_reloaded_for_free_before_its_use() -> None:
+    # Page size 1, 5 pages. Paths: r0 [0 1], r1 [2 3 4 5] (locked: one of 0 / 1 must go),
+    # r2 [0] (reloads [0] without counting it), r3 [0 1 6] counts [0 1]. Evicting the
+    # parent [0] and keeping [1] gives r3 two hits; evicting [1] gives one.
+    trace = make_trace(([0], [0, 1]), ([1, 0], [0, 0, 1]), ([0], [2]), ([0, 0, 0], [1]))
+    pt = PageTrace.build(trace, 1)
+    assert pt.paths == [[0, 1], [2, 3, 4, 5], [0], [0, 1, 6]]
+    assert belady(pt, 1, 5).cached_tokens == 2 == exhaustive_optimum(pt, 1, 5)
+
+
 @settings(max_examples=150, deadline=None)
 @given(trace=random_traces(6), page_size=st.sampled_from([1, 2]), data=st.data())
 def test_belady_equals_the_exhaustive_optimum(trace, page_size, data) -> None:
