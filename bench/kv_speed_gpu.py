@@ -85,10 +85,13 @@ DECODE_VARIANTS = [
     ("int4", {"programs_per_sm": 2}), ("int4", {"programs_per_sm": 8}),
     ("int4", {"min_split_keys": 1 << 20}),  # one split per request
 ]
-# Extend kernel launch variants for the tiered pools: (pool, ExtendConfig fields replacing
-# those of ``default_extend_config``; int4 / mixed on Hopper: HOPPER_TIERED_EXTEND_CONFIG,
-# 128 x 64 tiles, 8 warps, 2 stages).
+# Extend kernel launch variants: (pool, ExtendConfig fields replacing those of
+# ``default_extend_config``; int4 / mixed on Hopper: HOPPER_TIERED_EXTEND_CONFIG, 128 x 64
+# tiles, 8 warps, 2 stages). FP8: q-dtype dots (the default before 2026-12-02) and tiles.
 EXTEND_VARIANTS = [
+    ("fp8_e4m3", {"fp8_compute": "q"}), ("fp8_e4m3", {"num_stages": 2}),
+    ("fp8_e4m3", {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}),
+    ("fp8_e4m3", {"block_n": 64}),
     ("int4", {"block_n": 128, "num_stages": 3}), ("int4", {"block_n": 128}), ("int4", {"num_stages": 3}),
     ("int4", {"block_m": 64, "block_n": 64, "num_warps": 4}), ("int4", {"block_m": 64}),
 ]

@@ -96,7 +96,8 @@ def main() -> None:
                              warps, stages)  # fmt: skip
             else:
                 info = usage(extend_mod._extend_kernel, bf16,
-                             dict(common, SCALE_MODE=1, WARP_SPEC=False, PROBE=0, QUANT=0), warps, stages)  # fmt: skip
+                             dict(common, SCALE_MODE=1, WARP_SPEC=False, PROBE=0, QUANT=0, F16_DOT=False), warps,
+                             stages)  # fmt: skip
         else:
             raise SystemExit(f"unknown kernel {which!r}: decode, bf16-decode, extend, bf16-extend")
         print(f"{which} {cfg} triton {triton.__version__}: {info}", flush=True)

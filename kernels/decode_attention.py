@@ -401,7 +401,7 @@ def _decode_split_kernel(
         other=0.0,
     )  # [Hb, D]
     if F16_DOT:  # FP8 pages, fp16 dots (DecodeConfig.fp8_compute)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = _fp16_operand(q)
     page_row = PageTable + b * stride_ptb
     k_base = KPool + kv_head * stride_kk
     v_base = VPool + kv_head * stride_vk
@@ -603,6 +603,20 @@ def decode_num_splits(
     wanted = config.programs_per_sm * num_sms // max(batch * num_kv_heads, 1)
     most = math.ceil(max_seq_len / max(config.min_split_keys, config.block_n))
     return max(1, min(wanted, most, 256))
+
+
+def _f16_dot(q_dtype: torch.dtype, k_scale: torch.Tensor | None, fp8_compute: str) -> bool:
+    """Whether a kernel over FP8 pages runs its dots in fp16 (``fp8_compute`` "fp16" and
+    16-bit queries; float32 queries keep float32 dots)."""
+    assert fp8_compute in ("fp16", "q"), fp8_compute
+    return k_scale is not None and fp8_compute == "fp16" and q_dtype != torch.float32
+
+
+@triton.jit
+def _fp16_operand(x):
+    """``x`` clamped to +-65504 and rounded to fp16 (an operand of the fp16 dots over FP8
+    pages: e4m3 -> f16 is one hardware convert per two values on sm_89+)."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -812,7 +826,7 @@ def _launch(
             q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales,
             scale * LOG2E, num_splits, *strides,
             QUANT=int(k_scale is not None),
-            F16_DOT=k_scale is not None and config.fp8_compute == "fp16" and q.dtype != torch.float32,
+            F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute),
             PAGES_AHEAD=config.pages_ahead, SAME_STRIDES=k_pool.stride() == v_pool.stride(),
             **common,
         )  # fmt: skip

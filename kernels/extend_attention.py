@@ -82,9 +82,12 @@ tiles, 5% with 64 x 64), the diagonal mask (6% with 64 x 64 tiles) and, with 128
 tiles (one program per SM), short causal programs (~8%).
 
 FP8 pools (float8_e4m3fn pages, per-kv-head float32 ``k_scale``/``v_scale`` [K]): as in
-the decode kernel, K/V tiles are converted to q's dtype in registers, the K scale is
-folded into the softmax scale and the V scale multiplies the output once (a program
-serves one query head, hence one kv head: both scales are scalars).
+the decode kernel, the dots run in fp16 whatever the dtype of 16-bit queries
+(``ExtendConfig.fp8_compute``: q clamped to +-65504 and rounded to fp16 once per program,
+K/V tiles converted e4m3 -> f16 in registers, one hardware convert per two values; for
+bf16 q the "q" setting's e4m3 -> f16 -> f32 -> bf16 costs three), the K scale is folded
+into the softmax scale and the V scale multiplies the output once (a program serves one
+query head, hence one kv head: both scales are scalars).
 
 Tiered pools (int4 / mixed, ``TieredPages``): ``_extend_tiered_kernel``, the same grid and
 key walk (unmasked tiles, then causal diagonal tiles) on head-dim halves, with decode's
@@ -118,6 +121,8 @@ from radixlm.kernels.decode_attention import (
     _check_tiered,
     _decode_merge_kernel,
     _dot_precision,
+    _f16_dot,
+    _fp16_operand,
     _num_sms,
     _tiered_kv,
     _tile_kinds,
@@ -160,6 +165,10 @@ class ExtendConfig:
     # Triton warp specialisation of the unmasked key loop (tl.range(warp_specialize=...)).
     # Measured on an H200 with triton 3.6: no gain at 8 warps; fails to compile at 4.
     warp_specialize: bool = False
+    # FP8 pools: the dtype of the two dots, as ``DecodeConfig.fp8_compute``: "fp16" (one
+    # hardware convert per two K/V values, q clamped to +-65504, p rounded to fp16) or "q"
+    # (q's dtype: for bf16 queries e4m3 -> f16 -> f32 -> bf16, three converts per value).
+    fp8_compute: str = "fp16"
 
 
 # Hopper (sm_90, 227 KB shared memory per block), measured on an H200 (bench/KERNELS.md,
@@ -199,6 +208,7 @@ class ExtendSplitConfig:
     programs_per_sm: int = 2
     min_split_keys: int = 128
     max_extend_len: int = 512
+    fp8_compute: str = "fp16"  # FP8 pools: as ``ExtendConfig.fp8_compute``
 
 
 # Not tuned on a GPU yet: bench/bench_extend_split.py times these against the variants it
@@ -358,7 +368,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     REVERSE_M: tl.constexpr, SCALE_MODE: tl.constexpr, WARP_SPEC: tl.constexpr,
-    PROBE: tl.constexpr, QUANT: tl.constexpr,
+    PROBE: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -382,7 +392,11 @@ def _extend_kernel(
     q_ptr = Q + (row0 + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + dims[None, :], mask=row_mask[:, None], other=0.0)  # [Mb, D]
     if SCALE_MODE == 2:
-        q = (q * qk_scale_log2).to(Q.dtype.element_ty)
+        q = q * qk_scale_log2
+        if not F16_DOT:
+            q = q.to(Q.dtype.element_ty)
+    if F16_DOT:  # FP8 pages, fp16 dots (ExtendConfig.fp8_compute): K/V tiles convert to q's dtype
+        q = _fp16_operand(q)
     rows_pos = prefix_len + rows  # [Mb] absolute position = last key each row sees
     page_row = PageTable + b * stride_ptb
     page_base = 0
@@ -593,7 +607,7 @@ def _extend_split_kernel(
     stride_ptb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, F16_DOT: tl.constexpr,
 ):  # fmt: skip
     """Grid (M blocks, N splits, B * K). Program: BLOCK_M new tokens x the G query heads of
     one kv head (rows r = token * GROUP_PAD + head), keys [start, end) of one split of the
@@ -621,6 +635,8 @@ def _extend_split_kernel(
     t_idx = (row0 + tok).to(tl.int64)
     q_ptr = Q + t_idx[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr, mask=row_mask[:, None], other=0.0)  # [R, D]
+    if F16_DOT:  # FP8 pages, fp16 dots (ExtendSplitConfig.fp8_compute)
+        q = _fp16_operand(q)
     rows_pos = prefix_len + tok  # [R] last key each row sees
     page_row = PageTable + b * stride_ptb
     k_base = KPool + kv_head * stride_kk
@@ -817,7 +833,7 @@ def _launch(
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales,
         scale * LOG2E, *strides,
         SCALE_MODE=_SCALE_MODES[config.scale_mode], WARP_SPEC=config.warp_specialize, PROBE=probe,
-        QUANT=int(k_scale is not None), **common,
+        QUANT=int(k_scale is not None), F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute), **common,
     )  # fmt: skip
 
 def _launch_split(
@@ -854,6 +870,7 @@ def _launch_split(
         GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_M=block_m,
         BLOCK_N=config.block_n, HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
         DOT_PRECISION=_dot_precision(q.dtype), QUANT=int(k_scale is not None),
+        F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     merge = _decode_merge_kernel[(num_tokens, num_heads)](

@@ -132,8 +132,8 @@ def _attention_seeing(case, visible) -> torch.Tensor:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         q = case.q[start : start + e]  # [E, H, D]
         scores = torch.einsum("ehd,lhd->hel", q, k) * case.scale  # [H, E, L]
-        limit = torch.tensor([visible(p, e, i) for i in range(e)])[:, None]  # [E, 1]
-        scores = scores.masked_fill(torch.arange(p + e)[None, :] >= limit, float("-inf"))
+        limit = torch.tensor([visible(p, e, i) for i in range(e)], device=q.device)[:, None]  # [E, 1]
+        scores = scores.masked_fill(torch.arange(p + e, device=q.device)[None, :] >= limit, float("-inf"))
         out[start : start + e] = torch.einsum("hel,lhd->ehd", scores.softmax(-1), v)
         start += e
     return out
