@@ -44,6 +44,7 @@ from radixlm.runtime.metrics import Metrics
 from radixlm.runtime.protocol import GenerateRequest
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.tokenizer_manager import (
+    Generation,
     GenInput,
     InvalidRequest,
     QueueFull,
@@ -441,11 +442,13 @@ async def native_generate(tm: TokenizerManager, metrics: Metrics, body: Generate
 
 def native_generate_stream(tm: TokenizerManager, metrics: Metrics, body: GenerateRequest,
                            segments: bool = False) -> tuple[Ticket, AsyncIterator[dict[str, Any]]]:
-    """A streaming native ``/generate``: its admission ticket (the caller releases it when
-    the stream ends, however it ends) and its events (see ``_native_stream``; ``segments``:
-    ``--stream-output``). Raises InvalidRequest, QueueFull."""
+    """A streaming native ``/generate``, sent to the scheduler now (``TokenizerManager.start``):
+    its admission ticket (the caller releases it when the stream ends, however it ends;
+    that aborts what is not finished) and its events (see ``_native_stream``; ``segments``:
+    ``--stream-output``). Raises InvalidRequest, QueueFull, SchedulerDied."""
     gens = _native_gens(tm, body)
-    return tm.admit(gens), _native_stream(tm, gens, body, metrics, segments)
+    ticket, generation = tm.start(gens)
+    return ticket, _native_stream(tm, generation, gens, body, metrics, segments)
 
 
 async def _sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -500,8 +503,9 @@ def _internal_state(stats: SchedulerStats | None) -> dict[str, Any]:
             **msgspec.structs.asdict(stats)}
 
 
-async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: GenerateRequest,
-                         metrics: Metrics, segments: bool = False) -> AsyncIterator[dict[str, Any]]:
+async def _native_stream(tm: TokenizerManager, generation: Generation, gens: list[GenInput],
+                         body: GenerateRequest, metrics: Metrics, segments: bool = False
+                         ) -> AsyncIterator[dict[str, Any]]:
     """SGLang-style stream events: each carries the cumulative ``text`` and ``output_ids``
     of one sample with its ``index`` (``segments``, SGLang's ``--stream-output``: only what
     is new since that sample's last event; a long reply then costs O(n), not O(n^2), to
@@ -510,7 +514,7 @@ async def _native_stream(tm: TokenizerManager, gens: list[GenInput], body: Gener
     bases = list(itertools.accumulate((gen.n for gen in gens), initial=0))
     res = [[_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)] for gen in gens]
     try:  # the prompts of a batch run concurrently; events interleave, each with its index
-        async with contextlib.aclosing(tm.generate_all(gens)) as chunks:  # closed with us: aborts now
+        async with contextlib.aclosing(generation) as chunks:  # closed with us: aborts now
             async for k, c in chunks:
                 r = res[k][c.index]
                 r.add(c)

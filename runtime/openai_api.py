@@ -44,6 +44,7 @@ from radixlm.runtime.http_server import (
 from radixlm.runtime.metrics import Metrics
 from radixlm.runtime.protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.runtime.tokenizer_manager import (
+    Generation,
     GenInput,
     InvalidRequest,
     SampleChunk,
@@ -192,11 +193,12 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gens, echoes = _completion_gens(tm, body)
-        ticket = tm.admit(gens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return HeldStream(_stream(tm, metrics, gens, body, rid, created, chat=False, echoes=echoes), ticket)
-        with ticket:
+            ticket, generation = tm.start(gens)
+            return HeldStream(_stream(tm, metrics, generation, gens, body, rid, created, chat=False, echoes=echoes),
+                              ticket)
+        with tm.admit(gens):
             done = await _run_all(tm, metrics, gens, request, echoes)
         if done is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -212,11 +214,11 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         gen = _chat_gen(tm, body)
-        ticket = tm.admit([gen])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return HeldStream(_stream(tm, metrics, [gen], body, rid, created, chat=True), ticket)
-        with ticket:
+            ticket, generation = tm.start([gen])
+            return HeldStream(_stream(tm, metrics, generation, [gen], body, rid, created, chat=True), ticket)
+        with tm.admit([gen]):
             done = await _run_all(tm, metrics, [gen], request)
         if done is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -248,8 +250,9 @@ async def _run_all(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput],
     return choices, usage
 
 
-async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], body: Any, rid: str,
-                  created: int, chat: bool, echoes: list[Echo] | None = None) -> AsyncIterator[bytes]:
+async def _stream(tm: TokenizerManager, metrics: Metrics, generation: Generation, gens: list[GenInput],
+                  body: Any, rid: str, created: int, chat: bool, echoes: list[Echo] | None = None
+                  ) -> AsyncIterator[bytes]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     obj = "chat.completion.chunk" if chat else "text_completion"
     usage = _Usage()
@@ -270,7 +273,7 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput], 
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None})
         # the prompts of a batch run concurrently; chunks interleave, each with its index
-        async with contextlib.aclosing(tm.generate_all(gens)) as chunks:
+        async with contextlib.aclosing(generation) as chunks:
             async for k, c in chunks:
                 metrics.observe_chunk(gens[k], c)
                 usage.add(c)

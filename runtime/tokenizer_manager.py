@@ -33,8 +33,8 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.ipc import MsgSocket
 
-__all__ = ["TokenizerManager", "GenInput", "SampleChunk", "InvalidRequest", "SchedulerDied", "QueueFull",
-           "Ticket"]
+__all__ = ["TokenizerManager", "GenInput", "Generation", "SampleChunk", "InvalidRequest", "SchedulerDied",
+           "QueueFull", "Ticket"]
 
 logger = logging.getLogger("radixlm.tokenizer")
 LOG_TEXT_CHARS = 2000  # --log-requests logs at most this many characters of each text
@@ -78,15 +78,20 @@ class QueueFull(RuntimeError):
 
 class Ticket:
     """Queue slots held by one HTTP request (see ``TokenizerManager.admit``). ``release``
-    is idempotent; ``with ticket:`` releases on exit."""
+    is idempotent and also ends the generation started under the ticket
+    (``TokenizerManager.start``: its unfinished samples are aborted); ``with ticket:``
+    releases on exit."""
 
     def __init__(self, owner: TokenizerManager, samples: int) -> None:
         self.owner, self.samples, self.released = owner, samples, False
+        self.generation: Generation | None = None
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.owner.held_samples -= self.samples
+            if self.generation is not None:
+                self.generation.close()
 
     def __enter__(self) -> Ticket:
         return self
@@ -138,6 +143,58 @@ class _Sample:
         self.completion_tokens = 0
         self.done = False
         self.text = ""  # kept only with --log-requests
+
+
+class Generation:
+    """The samples of some requests, already sent to the scheduler: an async iterator of
+    (k, chunk) for the samples of ``gens[k]`` as they arrive, until all have finished.
+    ``close()`` / ``aclose()`` (idempotent; also at the end of the iteration) forgets them
+    and aborts those not finished. Made by ``TokenizerManager.generate_all``."""
+
+    def __init__(self, tm: TokenizerManager, gens: list[GenInput]) -> None:
+        self.tm, self.queue = tm, asyncio.Queue()
+        self.started: list[tuple[str, list[_Sample]]] = []
+        self.flat: list[tuple[int, _Sample]] = []  # queue index -> (gen index, sample)
+        self.closed = False
+        try:
+            for k, gen in enumerate(gens):
+                samples: list[_Sample] = []
+                self.started.append((gen.rid, samples))
+                tm._start_samples(gen, self.queue, samples, len(self.flat))
+                self.flat += [(k, sample) for sample in samples]
+        except BaseException:
+            self.close()
+            raise
+        self.remaining = len(self.flat)
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> tuple[int, SampleChunk]:
+        if self.closed or not self.remaining:
+            self.close()
+            raise StopAsyncIteration
+        try:
+            index, out = await self.queue.get()
+            if out is None:
+                raise SchedulerDied(self.tm.dead or "scheduler stopped")
+            k, sample = self.flat[index]
+            chunk = self.tm._to_chunk(sample, out)
+        except BaseException:
+            self.close()
+            raise
+        if chunk.finished:
+            self.remaining -= 1
+        return k, chunk
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for rid, samples in self.started:
+                self.tm._end_samples(rid, samples)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class TokenizerManager:
@@ -266,38 +323,31 @@ class TokenizerManager:
             async for _, chunk in chunks:
                 yield chunk
 
-    async def generate_all(self, gens: list[GenInput]) -> AsyncIterator[tuple[int, SampleChunk]]:
-        """(k, chunk) for the samples of every ``gens[k]``: all are sent to the scheduler at
-        once and their chunks yielded as they arrive, so the prompts of a batch run
-        concurrently when streamed too. Closing the iterator aborts the samples not
-        finished. Raises SchedulerDied, InvalidRequest (request id in use)."""
+    def generate_all(self, gens: list[GenInput]) -> Generation:
+        """Send the samples of every ``gens[k]`` to the scheduler now, all at once (the
+        prompts of a batch run concurrently when streamed too); the returned Generation
+        yields (k, chunk) as they arrive. Closing it aborts the samples not finished.
+        Raises SchedulerDied, InvalidRequest (request id in use)."""
         if self.dead:
             raise SchedulerDied(self.dead)
-        queue: asyncio.Queue = asyncio.Queue()
         for gen in gens:
             if any(f"{gen.rid}-{i}" in self.queues for i in range(gen.n)):  # raced past validate()
                 raise InvalidRequest(f"request id {gen.rid!r} is already in use", "rid")
-        started: list[tuple[str, list[_Sample]]] = []
-        flat: list[tuple[int, _Sample]] = []  # queue index -> (gen index, sample)
+        return Generation(self, gens)
+
+    def start(self, gens: list[GenInput]) -> tuple[Ticket, Generation]:
+        """``admit`` then ``generate_all`` for a streamed response: the samples reach the
+        scheduler before the response starts (a first token sooner by the time the HTTP
+        layer takes to start a stream), and releasing the ticket (however the response
+        ends, even before its body began) closes the generation. Raises QueueFull,
+        SchedulerDied, InvalidRequest."""
+        ticket = self.admit(gens)
         try:
-            for k, gen in enumerate(gens):
-                samples: list[_Sample] = []
-                started.append((gen.rid, samples))
-                self._start_samples(gen, queue, samples, len(flat))
-                flat += [(k, sample) for sample in samples]
-            remaining = len(flat)
-            while remaining:
-                index, out = await queue.get()
-                if out is None:
-                    raise SchedulerDied(self.dead or "scheduler stopped")
-                k, sample = flat[index]
-                chunk = self._to_chunk(sample, out)
-                if chunk.finished:
-                    remaining -= 1
-                yield k, chunk
-        finally:
-            for rid, samples in started:
-                self._end_samples(rid, samples)
+            ticket.generation = self.generate_all(gens)
+        except BaseException:
+            ticket.release()
+            raise
+        return ticket, ticket.generation
 
     def _start_samples(self, gen: GenInput, queue: asyncio.Queue, samples: list[_Sample], base: int) -> None:
         """Register and send every sample (its outputs go to ``queue`` as ``base + i``);

@@ -160,11 +160,11 @@ def test_extend_probes(paged_case, relerr) -> None:
     # probe 3: move request b's pages to b * 1024 + 1, + 2, ... in bigger pools
     num_pages = case.page_table.shape[1]
     shape = (2 * 1024, *case.k_pool.shape[1:])
-    k_pool = torch.full(shape, float("nan"), dtype=case.k_pool.dtype)
+    k_pool = torch.full(shape, float("nan"), dtype=case.k_pool.dtype, device=case.k_pool.device)
     v_pool = torch.full_like(k_pool, float("nan"))
     table = torch.zeros_like(case.page_table)
     for b in range(2):
-        table[b] = b * 1024 + 1 + torch.arange(num_pages, dtype=torch.int32)
+        table[b] = b * 1024 + 1 + torch.arange(num_pages, dtype=torch.int32, device=table.device)
         k_pool[table[b].long()] = case.k_pool[case.page_table[b].long()]
         v_pool[table[b].long()] = case.v_pool[case.page_table[b].long()]
     out = torch.full_like(case.q, float("nan"))
