@@ -161,12 +161,22 @@ class HeldStream(StreamingResponse):
             self.ticket.release()
 
 
+def _is_union_tag(part: str | int) -> bool:
+    """A pydantic location entry naming the member of a union that was tried ("str",
+    "list[str]", "list[constrained-int]", "function-after[...]"), not a field: no field of
+    the request models is named like a type."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none")
+                                      or "[" in part or part.startswith(("constrained-", "function-")))
+
+
 def _validation_message(exc: RequestValidationError | pydantic.ValidationError) -> tuple[str, str | None]:
+    """(message, param) of the first error; ``param`` is the field's dotted path (list
+    indices included, union members left out: ``sampling_params.stop``, ``input_ids.0``)."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None
