@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -34,7 +35,7 @@ from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.ipc import MsgSocket
 
 __all__ = ["TokenizerManager", "GenInput", "Generation", "SampleChunk", "InvalidRequest", "SchedulerDied",
-           "QueueFull", "Ticket"]
+           "QueueFull", "Ticket", "check_distinct_rids"]
 
 logger = logging.getLogger("radixlm.tokenizer")
 LOG_TEXT_CHARS = 2000  # --log-requests logs at most this many characters of each text
@@ -74,6 +75,12 @@ class QueueFull(RuntimeError):
     """A request that would make the queue longer than --max-queued-requests (HTTP 429)."""
 
     retry_after_s = 1  # the Retry-After header of the 429
+
+
+def check_distinct_rids(rids: list[str]) -> None:
+    """Raises InvalidRequest (``rid``) if a request id repeats within one request."""
+    if len(set(rids)) != len(rids):
+        raise InvalidRequest("request ids must be distinct within a request", "rid")
 
 
 class Ticket:
@@ -137,8 +144,9 @@ class SampleChunk:
 
 
 class _Sample:
-    def __init__(self, index: int, detok: IncrementalDetokenizer) -> None:
+    def __init__(self, index: int, sid: str, detok: IncrementalDetokenizer) -> None:
         self.index = index
+        self.sid = sid  # the scheduler's id of this sample, unique in the process
         self.detok = detok
         self.completion_tokens = 0
         self.done = False
@@ -212,7 +220,12 @@ class TokenizerManager:
         self.held_samples = 0  # slots held by admitted tickets
         self.context_length = ready.context_length
         self.max_total_tokens = ready.max_total_tokens
+        # Outputs are routed by sample id ``<rid>-<i>#<serial>``, unique in the process, so
+        # outputs still in flight for an aborted sample never reach a newer request that
+        # reuses its rid; ``rids`` holds the request ids of the live generations.
         self.queues: dict[str, tuple[asyncio.Queue, int]] = {}
+        self.rids: set[str] = set()
+        self._serial = itertools.count()
         self.control_waiters: dict[type, list[asyncio.Future]] = {}
         self.stats: m.SchedulerStats | None = None
         self.dead: str | None = None
@@ -278,7 +291,7 @@ class TokenizerManager:
         if n == 0:
             raise InvalidRequest("prompt is empty", field_name)
         _check_unicode(gen.rid, "rid")
-        if any(f"{gen.rid}-{i}" in self.queues for i in range(gen.n)):
+        if gen.rid in self.rids:
             raise InvalidRequest(f"request id {gen.rid!r} is already in use", "rid")
         for stop in gen.sampling.stop:
             _check_unicode(stop, "stop")
@@ -330,8 +343,9 @@ class TokenizerManager:
         Raises SchedulerDied, InvalidRequest (request id in use)."""
         if self.dead:
             raise SchedulerDied(self.dead)
+        check_distinct_rids([gen.rid for gen in gens])
         for gen in gens:
-            if any(f"{gen.rid}-{i}" in self.queues for i in range(gen.n)):  # raced past validate()
+            if gen.rid in self.rids:  # raced past validate()
                 raise InvalidRequest(f"request id {gen.rid!r} is already in use", "rid")
         return Generation(self, gens)
 
@@ -352,8 +366,9 @@ class TokenizerManager:
     def _start_samples(self, gen: GenInput, queue: asyncio.Queue, samples: list[_Sample], base: int) -> None:
         """Register and send every sample (its outputs go to ``queue`` as ``base + i``);
         ``samples`` grows as they are sent, so the caller's cleanup covers a failure half-way."""
+        self.rids.add(gen.rid)
         for i in range(gen.n):
-            rid = f"{gen.rid}-{i}"
+            sid = f"{gen.rid}-{i}#{next(self._serial)}"
             sp = gen.sampling
             if sp.seed is not None and i:
                 sp = msgspec.structs.replace(sp, seed=sp.seed + i)
@@ -361,10 +376,10 @@ class TokenizerManager:
                 self.tokenizer, gen.input_ids, skip_special_tokens=sp.skip_special_tokens,
                 stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output,
                 stop_regex=sp.stop_regex)
-            samples.append(_Sample(i, detok))
-            self.queues[rid] = (queue, base + i)
+            samples.append(_Sample(i, sid, detok))
+            self.queues[sid] = (queue, base + i)
             self.send.asend_nowait(m.GenerateReq(
-                rid=rid, input_ids=gen.input_ids, sampling=sp, return_logprob=gen.return_logprob,
+                rid=sid, input_ids=gen.input_ids, sampling=sp, return_logprob=gen.return_logprob,
                 logprob_start_len=gen.logprob_start_len, top_logprobs_num=gen.top_logprobs_num,
                 stream=gen.stream))
         if self.log_requests:
@@ -373,11 +388,11 @@ class TokenizerManager:
                         gen.sampling, prompt)
 
     def _end_samples(self, rid: str, samples: list[_Sample]) -> None:
+        self.rids.discard(rid)
         for s in samples:
-            sid = f"{rid}-{s.index}"
-            self.queues.pop(sid, None)
+            self.queues.pop(s.sid, None)
             if not s.done and not self.dead:
-                self.send.asend_nowait(m.AbortReq(rid=sid))
+                self.send.asend_nowait(m.AbortReq(rid=s.sid))
 
     def _to_chunk(self, sample: _Sample, out: m.ReqOutput) -> SampleChunk:
         text = sample.detok.push(out.new_token_ids)

@@ -38,11 +38,13 @@ def test_start_sends_before_the_stream_is_read_and_release_aborts(tok) -> None:
     tm, send = make_tm(tok)
     ticket, generation = tm.start([gen_input(tok, "a", n=2)])
     # sent at start, before anything iterates the generation (a stream's body)
-    assert [(type(x), x.rid) for x in send.sent] == [(m.GenerateReq, "a-0"), (m.GenerateReq, "a-1")]
-    assert tm.held_samples == 2 and set(tm.queues) == {"a-0", "a-1"}
+    assert [type(x) for x in send.sent] == [m.GenerateReq, m.GenerateReq]
+    sids = [x.rid for x in send.sent]
+    assert [sid.split("#")[0] for sid in sids] == ["a-0", "a-1"] and len(set(sids)) == 2
+    assert tm.held_samples == 2 and set(tm.queues) == set(sids) and tm.rids == {"a"}
     ticket.release()  # the response ended before its body began: nothing may stay behind
-    assert [(type(x), x.rid) for x in send.sent[2:]] == [(m.AbortReq, "a-0"), (m.AbortReq, "a-1")]
-    assert tm.held_samples == 0 and tm.queues == {}
+    assert [(type(x), x.rid) for x in send.sent[2:]] == [(m.AbortReq, sids[0]), (m.AbortReq, sids[1])]
+    assert tm.held_samples == 0 and tm.queues == {} and tm.rids == set()
     ticket.release()  # idempotent
     assert len(send.sent) == 4 and tm.held_samples == 0
 
@@ -53,9 +55,10 @@ def test_a_finished_generation_aborts_nothing(tok) -> None:
 
     async def run() -> list:
         ticket, generation = tm.start([gen_input(tok, "b")])
+        sid = send.sent[0].rid
         tm._dispatch(m.BatchOutput(outputs=[
-            m.ReqOutput(rid="b-0", new_token_ids=ids[:1], prompt_tokens=1),
-            m.ReqOutput(rid="b-0", new_token_ids=ids[1:], finish_reason="length", prompt_tokens=1)]))  # fmt: skip
+            m.ReqOutput(rid=sid, new_token_ids=ids[:1], prompt_tokens=1),
+            m.ReqOutput(rid=sid, new_token_ids=ids[1:], finish_reason="length", prompt_tokens=1)]))  # fmt: skip
         chunks = [c async for _, c in generation]
         ticket.release()
         return chunks
@@ -76,3 +79,37 @@ def test_a_request_id_in_use_is_refused_before_anything_is_sent(tok) -> None:
     assert len(send.sent) == 1 and tm.held_samples == 1  # the refused one holds no slot
     ticket.release()
     assert tm.held_samples == 0 and tm.queues == {}
+
+
+def test_repeated_rids_in_one_request_are_refused_before_anything_is_sent(tok) -> None:
+    tm, send = make_tm(tok)
+    with pytest.raises(InvalidRequest) as exc:
+        tm.start([gen_input(tok, "d"), gen_input(tok, "d")])
+    assert exc.value.param == "rid" and "distinct" in exc.value.message
+    assert send.sent == [] and tm.held_samples == 0 and tm.queues == {} and tm.rids == set()
+
+
+def test_outputs_of_an_aborted_sample_never_reach_a_request_reusing_its_rid(tok) -> None:
+    """A client leaves and at once resends with the same rid: outputs the scheduler had
+    already sent for the aborted sample must not show up in the new stream."""
+    tm, send = make_tm(tok)
+    ids = tok.encode(" one two")
+
+    async def run() -> list:
+        old, _ = tm.start([gen_input(tok, "e")])
+        old_sid = send.sent[0].rid
+        old.release()  # the client left: abort sent, queue entry gone
+        ticket, generation = tm.start([gen_input(tok, "e")])  # same rid, at once
+        new_sid = send.sent[-1].rid
+        assert new_sid != old_sid
+        tm._dispatch(m.BatchOutput(outputs=[  # the old sample's output, still in flight
+            m.ReqOutput(rid=old_sid, new_token_ids=ids[:1], prompt_tokens=9)]))  # fmt: skip
+        tm._dispatch(m.BatchOutput(outputs=[
+            m.ReqOutput(rid=new_sid, new_token_ids=ids[1:], finish_reason="length", prompt_tokens=1)]))  # fmt: skip
+        chunks = [c async for _, c in generation]
+        ticket.release()
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert [(c.token_ids, c.prompt_tokens) for c in chunks] == [(ids[1:], 1)]
+    assert tm.held_samples == 0 and tm.queues == {} and tm.rids == set()
