@@ -18,7 +18,7 @@ process's stderr (CLOCK_MONOTONIC: one clock for every process of the machine)::
     Z_first       the client reads the first data chunk (httpx, as gpu_serving.py)
 
     git apply bench/served_ttft_trace.diff
-    . bench/gpu_env.sh && python3 bench/served_ttft_trace.py MODEL_DIR $OUT/server.log PORT > $OUT/trace.json
+    . bench/gpu_env.sh && python3 bench/served_ttft_trace.py MODEL_DIR $OUT/server.log [SERVER FLAGS] > $OUT/trace.json
 
 Prints JSON: per prompt kind, the median milliseconds after the client's send at which
 each stage was first reached; ``prefix_ttft_4k``: cold / cached TTFT and their ratio.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,36 +39,19 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_serving import prefix_ttft_4k  # noqa: E402
 
-
-def wait_healthy(client: httpx.Client, url: str, timeout_s: float = 900.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            if client.get(url + "/health").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not healthy after {timeout_s} s")
+from radixlm.runtime.server_process import ServerProcess  # noqa: E402
 
 
 def main() -> None:
-    model, log, port = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    cmd = [
-        sys.executable,
-        "-m",
-        "radixlm.runtime.launch_server",
-        "--port",
-        str(port),
-        "--model-path",
-        model,
-    ]
-    with log.open("w") as log_file:
-        server = subprocess.Popen([*cmd, *sys.argv[4:]], stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    model, log = sys.argv[1], Path(sys.argv[2])
     client = httpx.Client(timeout=600)
-    try:
-        wait_healthy(client, url)
+    with (
+        log.open("w") as log_file,
+        ServerProcess.launch(
+            ["--model-path", model, *sys.argv[3:]], log=log_file, startup_timeout=900
+        ) as srv,
+    ):
+        url = srv.url
 
         def generate(ids: list[int], n: int = 2) -> tuple[float, float]:
             body = {
@@ -95,9 +77,6 @@ def main() -> None:
             ids = (prefix if n == 128 else []) + [rng.randrange(3, vocab) for _ in range(n)]
             sent.append((n, *generate(ids)))
         ratios = [prefix_ttft_4k(url) for _ in range(3)]
-    finally:
-        server.terminate()
-        server.wait()
     marks = sorted((float(t), name) for line in log.read_text().splitlines() if line.startswith("TTRACE ")
                    for _, name, t in [line.split()])  # fmt: skip
     stages: dict[int, dict[str, list[float]]] = {}

@@ -52,7 +52,6 @@ from radixlm.runtime.tokenizer_manager import (
     SchedulerDied,
     Ticket,
     TokenizerManager,
-    check_distinct_rids,
 )
 
 __all__ = ["create_app", "error_response", "sse", "collect_until_disconnect", "HeldStream",
@@ -284,7 +283,6 @@ def _native_gens(tm: TokenizerManager, req: GenerateRequest) -> list[GenInput]:
     rids = [req.rid] if isinstance(req.rid, str) else (req.rid or [None] * len(inputs))
     if len(rids) != len(inputs):
         raise InvalidRequest("rid must have one entry per prompt", "rid")
-    check_distinct_rids([rid for rid in rids if rid])
     sp = req.sampling_params
     gens = []
     for (ids, field), rid in zip(inputs, rids, strict=True):

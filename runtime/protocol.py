@@ -83,7 +83,7 @@ class _Sampling(BaseModel):
     @field_validator("json_schema", mode="before")
     @classmethod
     def _schema_type(cls, v: Any) -> Any:
-        """A 400 naming ``json_schema`` itself, not the union member tried (``json_schema.str``)."""
+        """A 400 that says what a json_schema must be, not pydantic's "valid string"."""
         if v is not None and not isinstance(v, str | dict):
             raise ValueError(f"json_schema must be a JSON schema as a string or an object (got {_json_type(v)})")
         return v

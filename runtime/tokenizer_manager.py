@@ -35,7 +35,7 @@ from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.ipc import MsgSocket
 
 __all__ = ["TokenizerManager", "GenInput", "Generation", "SampleChunk", "InvalidRequest", "SchedulerDied",
-           "QueueFull", "Ticket", "check_distinct_rids"]
+           "QueueFull", "Ticket"]
 
 logger = logging.getLogger("radixlm.tokenizer")
 LOG_TEXT_CHARS = 2000  # --log-requests logs at most this many characters of each text
@@ -75,12 +75,6 @@ class QueueFull(RuntimeError):
     """A request that would make the queue longer than --max-queued-requests (HTTP 429)."""
 
     retry_after_s = 1  # the Retry-After header of the 429
-
-
-def check_distinct_rids(rids: list[str]) -> None:
-    """Raises InvalidRequest (``rid``) if a request id repeats within one request."""
-    if len(set(rids)) != len(rids):
-        raise InvalidRequest("request ids must be distinct within a request", "rid")
 
 
 class Ticket:
@@ -316,9 +310,13 @@ class TokenizerManager:
 
     # ----------------------------------------------------------------- admission
     def admit(self, gens: list[GenInput]) -> Ticket:
-        """Hold one queue slot per sample of ``gens`` until the returned ticket is released.
-        Raises QueueFull if the slots held beyond --max-running-requests would then
-        exceed --max-queued-requests; a request is always admitted when no slot is held."""
+        """Hold one queue slot per sample of ``gens`` (the prompts of one HTTP request)
+        until the returned ticket is released. Raises InvalidRequest (``rid``) if a request
+        id repeats among ``gens``; QueueFull if the slots held beyond
+        --max-running-requests would then exceed --max-queued-requests (a request is always
+        admitted when no slot is held)."""
+        if len({g.rid for g in gens}) != len(gens):
+            raise InvalidRequest("request ids must be distinct within a request", "rid")
         samples = sum(g.n for g in gens)
         limit = self.max_queued_requests
         queued = self.held_samples + samples - self.max_running_requests
@@ -343,7 +341,6 @@ class TokenizerManager:
         Raises SchedulerDied, InvalidRequest (request id in use)."""
         if self.dead:
             raise SchedulerDied(self.dead)
-        check_distinct_rids([gen.rid for gen in gens])
         for gen in gens:
             if gen.rid in self.rids:  # raced past validate()
                 raise InvalidRequest(f"request id {gen.rid!r} is already in use", "rid")
