@@ -7,11 +7,19 @@ Prints ms per step (wall) and the top functions by own time and by cumulative ti
 GPU the device work is queued asynchronously, so the profile is the host's share.
 
 ``--stub-model`` replaces the forward pass and the LM head with fixed outputs, so on the
-CPU (``GPU_E2E_DEVICE=cpu``, eager path: no CUDA graphs) the step time is the scheduler's
-and the model runner's host work alone (plus sampling over ``--vocab`` logits)::
+CPU (``GPU_E2E_DEVICE=cpu``) the step time is the scheduler's and the model runner's host
+work alone (plus sampling over ``--vocab`` logits). Decode steps then run the CUDA-graph
+path's host code with nothing replayed (``HostOnlyGraphs``), as the GPU server's do;
+``--eager`` takes the eager path (a ForwardBatch per step) instead::
 
     GPU_E2E_DEVICE=cpu python bench/profile_step.py --shape tiny --vocab 512 --stub-model \
         --tokenizer-dir tok/ --batch 64 --no-profile --out /tmp/prof
+
+``--no-profile`` also splits the step's host time into plan / launch / _advance /
+_collect (collect includes waiting for the device). ``--churn N`` runs N requests through
+``--batch`` slots, each finished one replaced at once (the serving benchmark's random
+run at ``--max-concurrency``: the batch changes every few steps), and reports the
+scheduler's busy time per pure decode step, the figure the server exports.
 """
 
 from __future__ import annotations
@@ -33,9 +41,69 @@ from bench_structured import SCHEMA  # noqa: E402
 from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
 
 from radixlm.runtime import messages as m  # noqa: E402
+from radixlm.runtime.cuda_graph_runner import CudaGraphRunner, PageTableRows, graph_batch_sizes  # noqa: E402
 from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
 from radixlm.runtime.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
+
+
+class HostOnlyGraphs(CudaGraphRunner):
+    """``--stub-model`` on the CPU: a CudaGraphRunner whose replay runs its host code (slots,
+    the incremental page-table rows, staging and the input copy) and "replays" nothing, so
+    the step's host time follows the GPU server's decode path, not the eager one's."""
+
+    def __init__(self, runner: ModelRunner, hidden: torch.Tensor) -> None:  # no super(): nothing captured
+        n, pages = runner.args.max_running_requests, -(-runner.context_length // runner.page_size)
+        self.pool, self.page_size = runner.pool, runner.page_size
+        self.batch_sizes = graph_batch_sizes(n)
+        self.max_bs, self.max_pages = n, pages
+        self.inputs = torch.zeros((5, n), dtype=torch.int64)
+        self.req_pages = torch.zeros((2 * n + 1, pages), dtype=torch.int32)
+        self.tables = PageTableRows(2 * n + 1)
+        self._staging, self._turn = [torch.zeros((5, n), dtype=torch.int64) for _ in range(2)], 0
+        self.graphs = {bs: type("NoGraph", (), {"replay": lambda self: None})() for bs in self.batch_sizes}
+        self.outputs = {bs: hidden[:bs] for bs in self.batch_sizes}
+        self.extend_sizes = []
+
+
+def churn(sched: Scheduler, args: argparse.Namespace, vocab: int, rng: random.Random) -> None:
+    """``--churn N``: N requests (512 random prompt tokens, 256 output tokens, greedy,
+    ``ignore_eos``), ``--batch`` in flight, a finished one replaced at once (like the serving
+    benchmark's random run at ``--max-concurrency``); prints the scheduler's busy time per
+    pure decode step (the served counter) and, without ``--no-profile``, a cProfile."""
+    sent = done = 0
+
+    def send() -> None:
+        nonlocal sent
+        sched.handle(m.GenerateReq(
+            rid=f"c{sent}", input_ids=[rng.randrange(3, min(vocab, 40000)) for _ in range(512)], stream=True,
+            sampling=m.SamplingParams(max_new_tokens=256, ignore_eos=True, temperature=0.0)))
+        sent += 1
+
+    for _ in range(args.batch):
+        send()
+    prof = cProfile.Profile()
+    if not args.no_profile:
+        prof.enable()
+    while done < args.churn:
+        sched._safe_step()
+        for out in sched.outbox:
+            if out.finish_reason is not None:
+                done += 1
+                if sent < args.churn:
+                    send()
+        sched.outbox.clear()
+    prof.disable()
+    c = sched.counters
+    text = io.StringIO()
+    if not args.no_profile:
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    report = (f"churn {args.churn} at {args.batch}: {c['decode_steps']} decode steps, busy "
+              f"{c['decode_busy_s'] / max(c['decode_steps'], 1) * 1e3:.3f} ms per decode step, "
+              f"{c['busy_s'] / max(c['steps'], 1) * 1e3:.3f} ms per step\n{text.getvalue()}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"churn_{args.shape}_b{args.batch}{'_noprof' if args.no_profile else ''}.txt").write_text(report)
+    print(report[:6000])
 
 
 def main() -> None:
@@ -53,6 +121,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, help="override the shape's vocabulary size")
     ap.add_argument("--stub-model", action="store_true",
                     help="fixed hidden states and logits instead of the model (host work alone)")
+    ap.add_argument("--churn", type=int, default=0,
+                    help="N requests through --batch slots, finished ones replaced (see churn())")
+    ap.add_argument("--eager", action="store_true",
+                    help="--stub-model on the CPU: the eager path (ForwardBatch) instead of the graph path's host code")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16",
@@ -69,8 +141,13 @@ def main() -> None:
         logits = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0)).to(DEVICE)
         runner.model.forward = lambda batch, pool: hidden[: batch.input_ids.shape[0]]
         runner.model.compute_logits = lambda h: logits[: h.shape[0]]
+        if DEVICE == "cpu" and not args.eager:  # decode steps take the CUDA-graph path's host code
+            runner.graph_runner = HostOnlyGraphs(runner, hidden)
     sched = Scheduler(server, runner)
     rng = random.Random(0)
+    if args.churn:
+        churn(sched, args, vocab, rng)
+        return
     schema = json.dumps(SCHEMA) if args.json_schema else None
     for i in range(args.batch):
         sched.handle(m.GenerateReq(
@@ -83,15 +160,33 @@ def main() -> None:
         while sched.grammar_waiting:
             time.sleep(0.01)
             sched._safe_step()
+    parts = {"plan": (sched.planner, "plan"), "launch": (runner, "launch"), "advance": (sched, "_advance"),
+             "collect": (sched, "_collect")}
+    spent = dict.fromkeys(parts, 0.0)
+    if args.no_profile:  # host time per part of a step (plan, launch, _advance, _collect)
+        def timed(fn, name: str):
+            def wrapper(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    spent[name] += time.perf_counter() - t0
+            return wrapper
+
+        for name, (obj, attr) in parts.items():
+            setattr(obj, attr, timed(getattr(obj, attr), name))
     prof = cProfile.Profile()
-    start = time.perf_counter()
+    steps = []
     if not args.no_profile:
         prof.enable()
     for _ in range(args.steps):
+        t0 = time.perf_counter()
         sched._safe_step()
         sched.outbox.clear()
+        steps.append(time.perf_counter() - t0)
     prof.disable()
-    wall_ms = (time.perf_counter() - start) / args.steps * 1e3
+    wall_ms = sum(steps) / args.steps * 1e3
+    median_ms = sorted(steps)[len(steps) // 2] * 1e3
     text = io.StringIO()
     if not args.no_profile:
         stats = pstats.Stats(prof, stream=text)
@@ -100,7 +195,9 @@ def main() -> None:
     tag = ("_json" if args.json_schema else "") + ("_nooverlap" if args.disable_overlap_schedule else "") + (
         "_noprof" if args.no_profile else "") + ("_stub" if args.stub_model else "")
     how = "not profiled" if args.no_profile else "profiled"
-    report = f"batch {args.batch}{tag}: {wall_ms:.2f} ms per step ({how})\n{text.getvalue()}"
+    split = ", ".join(f"{k} {v / args.steps * 1e3:.3f}" for k, v in spent.items()) if args.no_profile else ""
+    report = (f"batch {args.batch}{tag}: {wall_ms:.2f} ms per step, median {median_ms:.2f} ({how})"
+              f"{'; ms per step: ' + split if split else ''}\n{text.getvalue()}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"profile_step_{args.shape}_b{args.batch}{tag}.txt").write_text(report)
     print(report[:6000])

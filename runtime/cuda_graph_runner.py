@@ -253,14 +253,15 @@ class CudaGraphRunner:
         bs = self.bucket(b)
         if bs is None or b == 0:
             raise ValueError(f"batch of {b} requests: captured sizes are 1..{self.max_bs}")
-        size = self.page_size
+        size, max_pages = self.page_size, self.max_pages
         slots = []
         for pos, table in zip(positions, page_tables, strict=True):
-            if pos // size >= len(table):
+            page = pos // size
+            if page >= len(table):
                 raise ValueError(f"page table of {len(table)} pages does not reach position {pos}")
-            if len(table) > self.max_pages:
-                raise ValueError(f"page table of {len(table)} pages exceeds the captured width {self.max_pages}")
-            slots.append(table[pos // size] * size + pos % size)
+            if len(table) > max_pages:
+                raise ValueError(f"page table of {len(table)} pages exceeds the captured width {max_pages}")
+            slots.append(table[page] * size + pos % size)
         rows = self._sync_tables(keys if keys is not None else [object() for _ in range(b)], page_tables)
         staging = self._staging[self._turn]
         self._turn ^= 1
@@ -350,11 +351,13 @@ class PageTableRows:
         """
         if len(keys) >= len(self._mirror):
             raise ValueError(f"{len(keys)} requests in one step, only {len(self._mirror) - 1} rows")
-        rows, updates = [], []
+        rows, updates, in_use = [], [], None
         for key, pages in zip(keys, page_tables, strict=True):
             row = self._row_of.get(key)
             if row is None:
-                row = self._take(set(keys))
+                if in_use is None:  # once per step: a wave of new requests is not quadratic
+                    in_use = set(keys)
+                row = self._take(in_use)
                 self._row_of[key] = row
             mirror = self._mirror[row]
             if pages != mirror:

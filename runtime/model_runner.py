@@ -57,7 +57,7 @@ logger = logging.getLogger("radixlm.model_runner")
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 
 
-@dataclass
+@dataclass(slots=True)
 class ItemResult:
     """What one ScheduleItem produced (aligned with decision.items)."""
 
@@ -128,7 +128,8 @@ class ModelRunner:
         self._prev_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         self._prev_rows: dict[Req, int] = {}
         self._last_launch: PendingStep | None = None
-        self._sampling_cache: tuple[tuple[Req, ...], SamplingBatch] | None = None  # see _sampling_batch
+        # see _sampling_batch: (requests, their SamplingBatch, request -> row)
+        self._sampling_cache: tuple[tuple[Req, ...], SamplingBatch, dict[Req, int]] | None = None
         self.graph_runner = self._make_graph_runner()
         self._warm_up_split_extend()
 
@@ -258,7 +259,10 @@ class ModelRunner:
         inputs, inflight = self._inputs(items)
         writes = [(it.req.pages, it.start, it.num_tokens) for it in items] if self.pool.tiered else []
         self.pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the pages written
-        hidden = self._replay_decode(items, inputs, inflight)
+        # Whether any item may score prompt tokens (``_prompt_positions``): rarely, so a step
+        # without logprob requests skips the per-item checks.
+        scoring = any(it.req.return_logprob for it in items)
+        hidden = self._replay_decode(items, inputs, inflight, scoring)
         if hidden is None:
             hidden = self._replay_extend(items, inputs, inflight)
         if hidden is not None:  # every item samples from its one row, in order
@@ -274,22 +278,31 @@ class ModelRunner:
             self.pool.end_pass(writes, [it.num_tokens > 1 or it.start < len(it.req.prompt_ids) for it in items])
         logits = self.model.compute_logits(hidden)  # [N, V] float32
         step = PendingStep(items, [ItemResult() for _ in items])
-        self._prompt_logprobs(items, rows, logits, step.results)
+        if scoring:
+            self._prompt_logprobs(items, rows, logits, step.results)
         self._sample(items, rows, logits, step)
         self._last_launch = step
         return step
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
-        """The SamplingBatch of these rows. A batch of the same requests in the same order as
-        the last one is reused when no row carries per-step state (a seed's step, the tokens a
-        penalty counts): a steady decode batch builds it once, not once per step."""
-        key = tuple(reqs)
-        if self._sampling_cache is not None and self._sampling_cache[0] == key:
-            return self._sampling_cache[1]
-        infos = [req.sampling_info or _sampling_info(req) for req in reqs]
-        sb = SamplingBatch.build(infos, self.device)
+        """The SamplingBatch of these rows. When no row carries per-step state (a seed's step,
+        the tokens a penalty counts), a batch of the same requests in the same order as the
+        last one reuses it (a steady decode batch builds it once, not once per step) and a
+        batch of some of them indexes it on the device (``SamplingBatch.take``: a large batch
+        loses a member nearly every step)."""
+        key, cache = tuple(reqs), self._sampling_cache
+        if cache is not None and cache[0] == key:
+            return cache[1]
         stateless = all(req.sampling_info is not None for req in reqs)
-        self._sampling_cache = (key, sb) if stateless else None
+        if stateless and cache is not None:  # the rows of the last batch, some gone: index it
+            rows = [cache[2].get(req, -1) for req in reqs]
+            sb = cache[1].take(rows, [req.sampling_info for req in reqs]) if -1 not in rows else None
+        else:
+            sb = None
+        if sb is None:
+            sb = SamplingBatch.build([req.sampling_info or _sampling_info(req) for req in reqs], self.device)
+            stateless = all(req.sampling_info is not None for req in reqs)
+        self._sampling_cache = (key, sb, {req: i for i, req in enumerate(reqs)}) if stateless else None
         return sb
 
     def _grammar_for_step(self, req: Req) -> Any:
@@ -311,27 +324,30 @@ class ModelRunner:
     def _inputs(self, items: list[ScheduleItem]) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """Each item's input token ids, and (flat index, row of the previous launch's
         samples) of the inputs not known yet on the host (written as -1 in the ids)."""
-        inputs, inflight, base = [], [], 0
+        inputs, inflight, base, prev_rows = [], [], 0, self._prev_rows
         for it in items:
-            ids = it.req.tokens(it.start, it.start + it.num_tokens)
-            if len(ids) < it.num_tokens:  # only the last one can be in flight
-                if len(ids) != it.num_tokens - 1 or it.req not in self._prev_rows:
-                    raise RuntimeError(f"request {it.req.rid}: input tokens missing at {it.start}")
-                inflight.append((base + it.num_tokens - 1, self._prev_rows[it.req]))
-                ids = [*ids, -1]
+            req, start, n = it.req, it.start, it.num_tokens
+            ids = req.tokens(start, start + n)  # a new list
+            if len(ids) < n:  # only the last one can be in flight
+                row = prev_rows.get(req)
+                if len(ids) != n - 1 or row is None:
+                    raise RuntimeError(f"request {req.rid}: input tokens missing at {start}")
+                inflight.append((base + n - 1, row))
+                ids.append(-1)
             inputs.append(ids)
-            base += it.num_tokens
+            base += n
         return inputs, inflight
 
     def _replay_decode(self, items: list[ScheduleItem], inputs: list[list[int]],
-                       inflight: list[tuple[int, int]]) -> torch.Tensor | None:
+                       inflight: list[tuple[int, int]], scoring: bool) -> torch.Tensor | None:
         """Hidden states [B, E] from a CUDA graph if this step is a pure decode step that
-        fits one (one token per item, each sampling, no prompt logprobs); else None."""
+        fits one (one token per item, each sampling, no prompt logprobs: none if not
+        ``scoring``); else None."""
         runner = self.graph_runner
         if runner is None or len(items) > runner.max_bs:
             return None
         for it in items:
-            if it.num_tokens != 1 or not it.samples or self._prompt_positions(it):
+            if it.num_tokens != 1 or not it.samples or (scoring and self._prompt_positions(it)):
                 return None
         src = [0] * len(items)
         for row, prev_row in inflight:
@@ -406,8 +422,11 @@ class ModelRunner:
         reqs = [items[i].req for i, _ in picks]
         top_k = max(req.top_logprobs_num for req in reqs)
         sb = self._sampling_batch(reqs)
-        matchers = [self._grammar_for_step(req) for req in reqs]
-        mask = partial(self.grammar_masker.apply, matchers=matchers) if any(m is not None for m in matchers) else None
+        mask = None
+        if any(req.grammar is not None for req in reqs):
+            matchers = [self._grammar_for_step(req) for req in reqs]
+            if any(m is not None for m in matchers):
+                mask = partial(self.grammar_masker.apply, matchers=matchers)
         sample_rows = [r for _, r in picks]
         if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
             chosen = logits[sample_rows[0] : sample_rows[0] + len(sample_rows)]  # a view: no index copy

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -100,9 +100,24 @@ class SamplingInfo:
         if self.step < 0:
             raise ValueError(f"step must be >= 0, got {self.step}")
 
+        # The row's values as SamplingBatch.build lays them out, computed once per object (a
+        # stateless request keeps its SamplingInfo across steps): floats (temperature, 1.0
+        # when greedy; top_p, inf when off; min_p; the three penalties), ints (top_k,
+        # _TOP_K_OFF when off; greedy).
+        greedy = self.temperature < GREEDY_EPS
+        object.__setattr__(self, "_floats", (
+            1.0 if greedy else self.temperature, self.top_p if self.top_p < 1.0 else float("inf"), self.min_p,
+            self.repetition_penalty, self.frequency_penalty, self.presence_penalty))
+        object.__setattr__(self, "_ints", (self.top_k if self.top_k > 0 else _TOP_K_OFF, int(greedy)))
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def stateless(self) -> bool:
+        """No seed and no penalty: the row's sampling does not change from step to step."""
+        return self.seed is None and not has_penalties(self)
 
 
 @dataclass(frozen=True)
@@ -134,6 +149,10 @@ class SamplingBatch:
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
+    # The per-row parameters stacked as copied: [6, B] f32 (temperatures .. presence
+    # penalties) and [2, B] int64 (top_ks, greedy); the fields above are views of their rows.
+    row_floats: Tensor = field(repr=False, default=None)
+    row_ints: Tensor = field(repr=False, default=None)
 
     @property
     def size(self) -> int:
@@ -146,26 +165,45 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingInfo], device: torch.device | str) -> SamplingBatch:
         device = torch.device(device)
-        greedy = [p.greedy for p in params]
-        sampled = [i for i, g in enumerate(greedy) if not g]
-        seeded = [i for i in sampled if params[i].seed is not None]
+        sampled = [i for i, p in enumerate(params) if not p._ints[1]]
         seen_rows, seen_ids, seen_max = _flatten_ids(params, _rep_wanted, _seen_ids, device)
         out_rows, out_ids, out_max = _flatten_ids(params, _freq_pres_wanted, _output_ids, device)
 
         # Two host-to-device copies for the per-row parameters (a step's host time is
-        # mostly per-call overhead): floats [6, B] and ints [2, B], unbound into rows.
-        floats = torch.tensor([
-            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-            [p.top_p if p.top_p < 1.0 else float("inf") for p in params],
-            [p.min_p for p in params],
-            [p.repetition_penalty for p in params],
-            [p.frequency_penalty for p in params],
-            [p.presence_penalty for p in params],
-        ], dtype=torch.float32)
-        floats = to_device(floats, device)
-        ints = to_device(torch.tensor([[p.top_k if p.top_k > 0 else _TOP_K_OFF for p in params], greedy],
-                                      dtype=torch.int64), device)
+        # mostly per-call overhead): floats [6, B] and ints [2, B], unbound into rows; the
+        # rows' values were laid out by SamplingInfo, transposed here by zip (no per-row
+        # Python beyond two list comprehensions).
+        floats = to_device(torch.tensor(list(zip(*[p._floats for p in params], strict=True)),
+                                        dtype=torch.float32), device)
+        ints = to_device(torch.tensor(list(zip(*[p._ints for p in params], strict=True)), dtype=torch.int64), device)
+        return cls._assemble(params, sampled, floats, ints, (seen_rows, seen_ids, out_rows, out_ids),
+                             max(seen_max, out_max))
+
+    def take(self, rows: Sequence[int], params: Sequence[SamplingInfo]) -> SamplingBatch:
+        """The batch whose row i is this batch's row ``rows[i]`` (``params[i]`` its info, the
+        same values): two index ops on the device instead of a rebuild from Python values (a
+        large decode batch loses a member nearly every step). Only for stateless rows (no
+        penalty, no seed: nothing that changes per step); ``params`` are not checked for it.
+
+        Raises ValueError if this batch has a penalised or seeded row.
+        """
+        if self.seen_ids.numel() or self.output_ids.numel() or self.seeded_rows:
+            raise ValueError("take() needs rows without penalties or seeds")
+        index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+        sampled = [i for i, p in enumerate(params) if not p._ints[1]]
+        empty = self.seen_ids[:0]
+        return self._assemble(params, sampled, self.row_floats[:, index], self.row_ints[:, index],
+                              (empty, empty, empty, empty), -1)
+
+    @classmethod
+    def _assemble(cls, params: Sequence[SamplingInfo], sampled: list[int], floats: Tensor, ints: Tensor,
+                  token_ids: tuple[Tensor, Tensor, Tensor, Tensor], max_token_id: int) -> SamplingBatch:
+        """The batch from its stacked rows on the device (``row_floats`` / ``row_ints``), the
+        rows' infos, the sampled (non-greedy) rows and the flattened (row, id) pairs."""
+        seen_rows, seen_ids, out_rows, out_ids = token_ids
+        device = floats.device
         temperatures, top_ps, min_ps, rep, freq, pres = floats.unbind(0)
+        seeded = [i for i in sampled if params[i].seed is not None]
         unseeded = [i for i in sampled if params[i].seed is None]
         return cls(
             greedy=ints[1].bool(),
@@ -183,11 +221,13 @@ class SamplingBatch:
             unseeded_rows=to_device(torch.tensor(unseeded, dtype=torch.int64), device),
             seeded_rows=tuple(seeded),
             seed_keys=tuple(_mix_seed(params[i].seed, params[i].step) for i in seeded),
-            max_token_id=max(seen_max, out_max),
+            max_token_id=max_token_id,
             all_greedy=not sampled,
             use_top_k=any(params[i].top_k > 0 for i in sampled),
             use_top_p=any(params[i].top_p < 1.0 for i in sampled),
             use_min_p=any(params[i].min_p > 0.0 for i in sampled),
+            row_floats=floats,
+            row_ints=ints,
         )
 
 

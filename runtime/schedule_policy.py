@@ -58,7 +58,7 @@ __all__ = ["PREEMPTION_MODES", "BatchPlanner", "ScheduleDecision", "ScheduleItem
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduleItem:
     """Feed ``req.all_ids[start : start + num_tokens]`` (start = req.num_computed)."""
 
@@ -227,27 +227,31 @@ class BatchPlanner:
     def _chunk(self, req: Req, budget: int) -> int:
         return min(req.num_uncomputed, self.chunked_prefill_size, budget)
 
-    def _done_in_flight(self, req: Req) -> bool:
-        """True if a token in flight is sure to be the request's last (max_new_tokens or
-        the context length reached): no step is planned past it."""
-        if not req.num_inflight:
-            return False
-        if len(req.output_ids) + req.num_inflight >= req.sampling.max_new_tokens:
-            return True
-        return self.context_length is not None and req.seq_len >= self.context_length
-
     def _schedule_running(self, decision: ScheduleDecision, budget: int) -> int:
+        """Schedule every running request's next chunk (one token while decoding), oldest
+        first, growing pages or preempting for it; returns the token budget left. A request
+        whose token in flight is sure to be its last (max_new_tokens or the context length
+        reached) gets no step past it. Runs once per step over the whole batch: the hot loop
+        of the planner, so it reads each request's fields once (``_chunk`` / ``_schedule``
+        in one)."""
+        items, preempted, step, context = decision.items, decision.preempted, self.step, self.context_length
+        page_size, chunk = self.page_size, self.chunked_prefill_size
         for req in list(self.running):
-            if decision.preempted and req in decision.preempted:  # made room for an older one
+            if preempted and req in preempted:  # made room for an older one
                 continue
-            if self._done_in_flight(req):
+            num_out, inflight, start = len(req.output_ids), req.num_inflight, req.num_computed
+            seq_len = len(req.prompt_ids) + num_out + inflight
+            if inflight and (num_out + inflight >= req.sampling.max_new_tokens
+                             or (context is not None and seq_len >= context)):
                 continue
-            n = self._chunk(req, budget)
+            n = min(seq_len - start, chunk, budget)
             if n == 0:
                 continue
-            if not self._grow_or_preempt(req, req.num_computed + n, decision):
+            end = start + n
+            if len(req.pages) * page_size < end and not self._grow_or_preempt(req, end, decision):
                 continue
-            self._schedule(decision, req, n)
+            items.append(ScheduleItem(req, start, n, end == seq_len))
+            req.last_scheduled_step = step
             budget -= n
         return budget
 
@@ -347,8 +351,7 @@ class BatchPlanner:
         self._take_waiting(req)
         if self._running_reserve is not None:
             self._running_reserve += self._reserve_extra(req, 1)
-        self.running.append(req)
-        self.running.sort(key=_arrival)
+        bisect.insort(self.running, req, key=_arrival)  # usually at the end: no full sort per admission
         self._schedule(decision, req, n)
         return n
 

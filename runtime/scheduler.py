@@ -220,14 +220,20 @@ class Scheduler:
         was_prefill, ends_prefill, recomputed = [], [], 0
         for item in step.items:
             req = item.req
-            start, end, n_prompt = req.num_computed, req.num_computed + item.num_tokens, len(req.prompt_ids)
-            recomputed += max(0, min(req.max_computed, end) - start)
-            req.num_computed, req.max_computed = end, max(req.max_computed, end)
+            start, n_prompt = req.num_computed, len(req.prompt_ids)
+            end = start + item.num_tokens
+            if req.max_computed > start:  # recomputed after a preemption
+                recomputed += min(req.max_computed, end) - start
+            if req.max_computed < end:
+                req.max_computed = end
+            req.num_computed = end
             if item.samples:
                 req.num_inflight += 1
-            was_prefill.append(start < n_prompt)
-            ends_prefill.append(start < n_prompt <= end)
-            if start < n_prompt <= end:
+            prefill = start < n_prompt
+            ends = prefill and n_prompt <= end
+            was_prefill.append(prefill)
+            ends_prefill.append(ends)
+            if ends:
                 # Share the prompt's pages now, not when the results are read: a waiting
                 # request with the same prefix may be planned before that (overlap) and
                 # must find it cached. The KV is still being computed, but every later
@@ -258,12 +264,16 @@ class Scheduler:
 
     def _process_results(self, step: PendingStep, results: list[ItemResult]) -> None:
         counters, interval = self.counters, self.args.stream_interval
+        decoded = 0
         for item, res, was_prefill, ends_prefill in zip(step.items, results, step.was_prefill,
                                                         step.ends_prefill, strict=True):
             req = item.req
-            if req.finished:  # finished or aborted after this step was launched: discard
+            if req.finish_reason is not None:  # finished or aborted after this step was launched: discard
                 continue
-            counters["prefill_computed" if was_prefill else "decode"] += item.num_tokens
+            if was_prefill:
+                counters["prefill_computed"] += item.num_tokens
+            else:
+                decoded += item.num_tokens
             if res.prompt_logprobs is not None:
                 req.prompt_logprobs.extend(res.prompt_logprobs)
                 req.prompt_top_logprobs.extend(res.prompt_top_logprobs or [None] * len(res.prompt_logprobs))
@@ -272,10 +282,11 @@ class Scheduler:
             if res.next_id is not None:
                 req.num_inflight -= 1
                 self._append_token(req, res)
-            if req.finished:
+            if req.finish_reason is not None:
                 self._finish(req)
             elif req.stream and len(req.output_ids) - req.num_sent >= interval:
                 self._emit(req)
+        counters["decode"] += decoded
 
     def _append_token(self, req: Req, res: ItemResult) -> None:
         if req.sampling.max_new_tokens == 0:  # prompt scoring only

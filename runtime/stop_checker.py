@@ -40,7 +40,7 @@ class StopChecker:
             last = req.output_ids[-1]
             if last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_token_ids):
                 return "stop", last
-            matched = self._stop_string(req)
+            matched = self._stop_string(req) if sp.stop else None
             if matched is not None:
                 return "stop", matched
             if sp.stop_regex:
@@ -53,7 +53,7 @@ class StopChecker:
                     return "stop", match.pattern
         if n_out >= sp.max_new_tokens:
             return "length", None
-        if req.num_known >= self.context_length:
+        if len(req.prompt_ids) + n_out >= self.context_length:  # req.num_known
             return "length", None
         return None
 
@@ -66,8 +66,6 @@ class StopChecker:
 
     def _stop_string(self, req: Req) -> str | None:
         stops = req.sampling.stop
-        if not stops:
-            return None
         # Each token decodes to >= 1 byte; a stop string of c chars needs <= 4c bytes,
         # plus a few tokens of context for byte-pieces that straddle the window start.
         window = 4 * max(len(s) for s in stops) + 4

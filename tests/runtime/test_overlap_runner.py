@@ -68,3 +68,29 @@ def test_sampling_batch_is_reused_only_for_the_same_stateless_rows(runner: Model
     penalised.output_ids.append(4)
     two = runner._sampling_batch([penalised])
     assert one.output_ids.tolist() == [] and two.output_ids.tolist() == [4]
+
+
+def test_sampling_batch_of_fewer_stateless_rows_indexes_the_last_one(runner: ModelRunner, monkeypatch) -> None:
+    """When requests leave a stateless batch (or it is reordered) the model runner takes
+    the remaining rows of the last SamplingBatch (``SamplingBatch.take``) instead of a
+    rebuild; a new request in the batch, or a penalised one, builds from scratch."""
+    from radixlm.runtime import model_runner as mr
+    from radixlm.runtime.request import Req
+
+    def req(rid: str, **sp) -> Req:
+        return Req(rid=rid, prompt_ids=[1, 2, 3], sampling=m.SamplingParams(max_new_tokens=8, **sp))
+
+    a, b, c = req("a", temperature=0.5), req("b", temperature=0.0, top_k=5), req("c", temperature=0.9, top_p=0.8)
+    runner._sampling_batch([a, b, c])
+    builds = []
+    real_build = mr.SamplingBatch.build
+    monkeypatch.setattr(mr.SamplingBatch, "build", lambda *args: builds.append(args) or real_build(*args))
+    fewer = runner._sampling_batch([c, a])
+    assert builds == [] and fewer.temperatures.tolist() == pytest.approx([0.9, 0.5])
+    assert fewer.top_ps.tolist() == pytest.approx([0.8, float("inf")]) and not fewer.all_greedy
+    assert runner._sampling_batch([a]).temperatures.tolist() == [0.5] and builds == []
+    assert runner._sampling_batch([b]).greedy.tolist() == [True]  # not in the last batch [a]
+    assert len(builds) == 1
+    runner._sampling_batch([b, req("p", presence_penalty=0.5)])  # penalised: never cached
+    runner._sampling_batch([b])
+    assert len(builds) == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -384,3 +385,24 @@ def test_seeded_noise_is_exponential_and_a_function_of_the_key_only() -> None:
     assert (deciles - 0.1).abs().max().item() < 0.002
     corr = torch.corrcoef(noise.double())[0, 1:]
     assert corr.abs().max().item() < 0.01
+
+
+def test_take_equals_a_build_of_the_chosen_rows():
+    """SamplingBatch.take (the model runner's path when a stateless batch loses members)
+    gives field for field what a build from those rows' infos gives, in any row order."""
+    params = [SamplingInfo(temperature=t, top_p=p, top_k=k, min_p=m)
+              for t, p, k, m in [(0.0, 1.0, -1, 0.0), (0.7, 0.9, 5, 0.0), (1.0, 1.0, 0, 0.1), (0.5, 0.5, 3, 0.05)]]
+    full = SamplingBatch.build(params, "cpu")
+    for rows in ([0, 2], [3, 1, 0], [1], [2, 3], [0]):
+        chosen = [params[i] for i in rows]
+        taken, built = full.take(rows, chosen), SamplingBatch.build(chosen, "cpu")
+        for f in dataclasses.fields(SamplingBatch):
+            a, b = getattr(taken, f.name), getattr(built, f.name)
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (rows, f.name)
+    assert full.take([0], params[:1]).all_greedy and not full.take([0, 1], params[:2]).all_greedy
+
+
+def test_take_refuses_penalised_or_seeded_batches():
+    for info in (SamplingInfo(repetition_penalty=1.2, prompt_ids=[1, 2]), SamplingInfo(temperature=1.0, seed=3)):
+        with pytest.raises(ValueError, match="penalties or seeds"):
+            SamplingBatch.build([info, SamplingInfo()], "cpu").take([0], [info])
