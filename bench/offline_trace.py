@@ -49,7 +49,8 @@ PHASES = ("planner.plan", "runner.launch", "runner._sampling_batch", "model.comp
           "graphs.replay", "scheduler._advance", "scheduler._process_results")
 
 
-def _timed(fn, acc: dict, name: str):
+def timed(fn, acc: dict, name: str):
+    """``fn`` wrapped to add each call's wall seconds to ``acc[name]``."""
     def wrapper(*a, **k):
         t0 = time.perf_counter()
         try:
@@ -93,7 +94,7 @@ def main() -> None:
         owner = {"planner": sched.planner, "runner": runner, "model": runner.model,
                  "graphs": runner.graph_runner, "scheduler": sched}[name.split(".")[0]]
         if owner is not None:
-            setattr(owner, name.split(".")[1], _timed(getattr(owner, name.split(".")[1]), phase_s, name))
+            setattr(owner, name.split(".")[1], timed(getattr(owner, name.split(".")[1]), phase_s, name))
     gc_s, gc_n, gc_t0 = [0.0, 0.0, 0.0], [0, 0, 0], [0.0]
 
     def on_gc(phase: str, info: dict) -> None:  # time every collection, by generation

@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_structured import SCHEMA  # noqa: E402
 from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
+from offline_trace import timed  # noqa: E402
 
 from radixlm.runtime import messages as m  # noqa: E402
 from radixlm.runtime.cuda_graph_runner import CudaGraphRunner, PageTableRows, graph_batch_sizes  # noqa: E402
@@ -164,17 +165,8 @@ def main() -> None:
              "collect": (sched, "_collect")}
     spent = dict.fromkeys(parts, 0.0)
     if args.no_profile:  # host time per part of a step (plan, launch, _advance, _collect)
-        def timed(fn, name: str):
-            def wrapper(*a, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    spent[name] += time.perf_counter() - t0
-            return wrapper
-
         for name, (obj, attr) in parts.items():
-            setattr(obj, attr, timed(getattr(obj, attr), name))
+            setattr(obj, attr, timed(getattr(obj, attr), spent, name))
     prof = cProfile.Profile()
     steps = []
     if not args.no_profile:

@@ -301,7 +301,7 @@ class ModelRunner:
             sb = None
         if sb is None:
             sb = SamplingBatch.build([req.sampling_info or _sampling_info(req) for req in reqs], self.device)
-            stateless = all(req.sampling_info is not None for req in reqs)
+            stateless = stateless or all(req.sampling_info is not None for req in reqs)  # set by the build
         self._sampling_cache = (key, sb, {req: i for i, req in enumerate(reqs)}) if stateless else None
         return sb
 

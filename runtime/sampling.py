@@ -114,11 +114,6 @@ class SamplingInfo:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
-    @property
-    def stateless(self) -> bool:
-        """No seed and no penalty: the row's sampling does not change from step to step."""
-        return self.seed is None and not has_penalties(self)
-
 
 @dataclass(frozen=True)
 class SamplingBatch:
