@@ -21,7 +21,9 @@ bundled calibration text (as the server does at start-up); int4 and mixed use th
 their FP8 slots and demote pages after every pass as the server does
 (``KVPool.begin_pass``/``end_pass``). A dtype written ``NAME:uncentred`` (e.g.
 ``fp8_e4m3:uncentred``) runs that dtype without the channel means (the calibration before
-them: values stored uncentred, scales from their absmax), for an A/B in one run.
+them: values stored uncentred, scales from their absmax), ``fp8_e4m3:nosink`` without the
+exact attention sink (``--kv-sink-slots 0``; fp8_e4m3 keeps the server's default of 64
+slots), for an A/B in one run; flags combine with ``+`` (``fp8_e4m3:uncentred+nosink``).
 Usage::
 
     .venv/bin/python bench/kv_quality.py --tokens 50000 --out bench/kv_results/cpu.json
@@ -41,7 +43,7 @@ import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
-from radixlm.runtime.memory_pool import KVPool
+from radixlm.runtime.memory_pool import DEFAULT_KV_SINK_SLOTS, KVPool
 from radixlm.runtime.model_loader import load_model, resolve_model_path
 from radixlm.runtime.sharegpt import iter_records
 
@@ -110,25 +112,33 @@ class Runner:
         }
 
     def pool(self, name: str) -> KVPool:
-        """A pool of KV dtype ``name`` (``NAME:uncentred``: FP8 slots without channel means)."""
+        """A pool of KV dtype ``name`` (``NAME:uncentred``: FP8 slots without channel means;
+        ``NAME:nosink``: no exact attention sink; ``+`` joins flags)."""
         layers, heads, head_dim = self.shape
         kv_dtype, _, variant = name.partition(":")
-        if variant not in ("", "uncentred"):
-            raise SystemExit(f"unknown dtype variant {name!r} (only NAME:uncentred)")
-        scales = (self.scales[variant != "uncentred"] if kv_dtype in ("fp8_e4m3", "int4", "mixed")
+        flags = set(variant.split("+")) - {""}
+        if not flags <= {"uncentred", "nosink"}:
+            raise SystemExit(f"unknown dtype variant {name!r} (NAME:uncentred, NAME:nosink, joined by +)")
+        scales = (self.scales["uncentred" not in flags] if kv_dtype in ("fp8_e4m3", "int4", "mixed")
                   else (None, None))  # fmt: skip
+        sink = DEFAULT_KV_SINK_SLOTS if "nosink" not in flags else 0
         return KVPool(self.num_pages, self.page_size, layers, heads, head_dim, self.dtype, self.device,
-                      kv_dtype, *scales, window_pages=self.window_pages)  # fmt: skip
+                      kv_dtype, *scales, window_pages=self.window_pages, sink_slots=sink)  # fmt: skip
 
     @torch.inference_mode()
     def forward(
-        self, pool: KVPool, tokens: list[int], start: int, logits_rows: list[int]
+        self, pool: KVPool, tokens: list[int], start: int, logits_rows: list[int], first: int
     ) -> torch.Tensor:
-        """Feed ``tokens`` at positions start.. of one request (pages 1, 2, ...)."""
+        """Feed ``tokens`` at positions start.. of one request (pages 1, 2, ...) whose token
+        at position 0 is ``first`` (its exact sink slot, as the server's ModelRunner does)."""
         end = start + len(tokens)
         pages = list(range(1, -(-end // self.page_size) + 1))
+        sinks = writes_0 = None
+        if pool.has_sink:
+            slot, write = pool.sink_slot(first, start == 0)
+            sinks, writes_0 = [slot], [(0, slot)] if write else None
         batch = ForwardBatch.build(
-            [tokens], [start], [pages], logits_rows, self.page_size, self.device
+            [tokens], [start], [pages], logits_rows, self.page_size, self.device, sinks, writes_0
         )
         writes = [(pages, start, len(tokens))]
         pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the new tokens' pages
@@ -143,7 +153,7 @@ class Runner:
             win = ids[w0 : w0 + window + 1]  # +1: the target of the window's last token
             for c0 in range(0, len(win) - 1, chunk):
                 toks = win[c0 : min(c0 + chunk, len(win) - 1)]
-                logits = self.forward(pool, toks, c0, list(range(len(toks))))
+                logits = self.forward(pool, toks, c0, list(range(len(toks))), win[0])
                 logp = torch.log_softmax(logits, dim=-1)
                 targets = torch.tensor(win[c0 + 1 : c0 + 1 + len(toks)], device=logp.device)
                 lps.append(logp.gather(1, targets[:, None]).squeeze(1).cpu())
@@ -155,10 +165,10 @@ class Runner:
     def greedy(self, pool: KVPool, prompt: list[int], max_new: int, chunk: int) -> list[int]:
         for c0 in range(0, len(prompt), chunk):
             toks = prompt[c0 : c0 + chunk]
-            logits = self.forward(pool, toks, c0, [len(toks) - 1])
+            logits = self.forward(pool, toks, c0, [len(toks) - 1], prompt[0])
         out = [int(logits[-1].argmax())]
         while len(out) < max_new:
-            logits = self.forward(pool, [out[-1]], len(prompt) + len(out) - 1, [0])
+            logits = self.forward(pool, [out[-1]], len(prompt) + len(out) - 1, [0], prompt[0])
             out.append(int(logits[-1].argmax()))
         return out
 
@@ -241,7 +251,7 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3",
-                    help="any of bf16, fp16, fp8_e4m3, int4, mixed; NAME:uncentred without channel means")
+                    help="any of bf16, fp16, fp8_e4m3, int4, mixed; NAME:uncentred without channel means, fp8_e4m3:nosink without the exact sink")
     ap.add_argument("--kv-mixed-window-pages", type=int, default=2, help="mixed: FP8 window (pages)")
     ap.add_argument("--base", default="bf16", help="the dtype deltas are measured against")
     ap.add_argument("--tokens", type=int, default=50000)

@@ -134,6 +134,13 @@ def make_pools(num_tokens: int, device: torch.device, gen: torch.Generator):
     }, pages
 
 
+def fp8_sink(batch: int, device, gen) -> reference.Sink:
+    """An exact attention sink as the server's FP8 pools keep one (--kv-sink-slots): every
+    request reads position 0 from slot 0 of 64."""
+    k, v = (torch.randn(64, KV_HEADS, HEAD_DIM, generator=gen).to(device) for _ in range(2))
+    return reference.Sink(k, v, torch.zeros(batch, dtype=torch.int32, device=device))
+
+
 def kv_bytes_per_elem(name: str) -> float:
     """Bytes read per K or V element: int4 codes + statistics (page 16, value group 64)."""
     if name in ("int4", "mixed"):  # K: 0.5 + 4 / PAGE per channel; V: 0.5 + 4 / 64 (mixed: ~)
@@ -230,6 +237,12 @@ def bench_decode(
         outs[name] = fn().clone()
         row[f"{name}_kv_bytes"] = int(2 * batch * ctx * KV_HEADS * HEAD_DIM * kv_bytes_per_elem(name))
         row[f"{name}_GBps"] = row[f"{name}_kv_bytes"] / row[f"{name}_us"] / 1e3
+    k8, v8, ks, vs, _ = pools["fp8_e4m3"]
+    sink = fp8_sink(batch, device, gen)
+    row["fp8_sink_us"] = timer.median_us(lambda: decode_attention(
+        q, k8, v8, table, seq, scale, num_splits=row["splits"]["fp8_e4m3"], k_scale=ks, v_scale=vs, sink=sink),
+        graph=True)  # fmt: skip
+    row["fp8_sink_speedup"] = row["base_us"] / row["fp8_sink_us"]
     row["int4_kernel"] = decode_kernel_info(q, pools["int4"], table, seq, default_decode_config(FP8, True, batch),
                                             row["splits"]["int4"])  # fmt: skip
     for name in ("fp8", "int4", "mixed"):
@@ -280,6 +293,11 @@ def bench_extend(
 
         row[f"{name}_us"] = timer.median_us(fn, graph=True)
         outs[name] = fn()
+    k8, v8, ks, vs, _ = pools["fp8_e4m3"]
+    sink = fp8_sink(batch, device, gen)
+    row["fp8_sink_us"] = timer.median_us(lambda: extend_attention(
+        q, k8, v8, table, cu, prefix_lens, scale, new, k_scale=ks, v_scale=vs, sink=sink), graph=True)
+    row["fp8_sink_speedup"] = row["base_us"] / row["fp8_sink_us"]
     config = default_extend_config(q.device, new, table.shape[1] * PAGE, tiered=True)
     row["int4_kernel"] = extend_kernel_info(q, pools["int4"], table, cu, prefix_lens, new, config)
     for name in ("fp8", "int4", "mixed"):

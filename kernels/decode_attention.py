@@ -104,6 +104,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.reference import Sink
+
 __all__ = ["FP8_DECODE_CONFIG", "FP8_LARGE_BATCH_DECODE_CONFIG", "TIERED_DECODE_CONFIG", "DecodeConfig",
            "DecodeWorkspace", "TieredPages", "decode_attention", "decode_num_splits", "default_decode_config"]
 
@@ -370,8 +372,31 @@ class DecodeWorkspace:
 
 
 @triton.jit
+def _sink_start(q, m_i, l_i, acc, SinkK, SinkV, SinkSlots, b, kv_head, num_kv_heads, holds_key_0,
+                qk_scale_log2, HEAD_DIM: tl.constexpr):
+    """Exact attention sink (``KVPool`` doc): when request ``b`` has a sink slot, the online
+    softmax of the program holding key 0 starts from that key's exact score and value
+    (slots [C, K, D] float32 in the pages' units) instead of its FP8 page. ``q`` [rows, D];
+    ``qk_scale_log2`` the factor from q . k to the log2-domain score (1.0 when q carries
+    it). Returns (m_i, l_i, acc, lo): the tiles mask keys < lo (1 with a slot, else 0)."""
+    slot = tl.load(SinkSlots + b)
+    lo = (slot >= 0).to(tl.int32)
+    on = (slot >= 0) & holds_key_0
+    dims = tl.arange(0, HEAD_DIM)
+    base = (tl.maximum(slot, 0).to(tl.int64) * num_kv_heads + kv_head) * HEAD_DIM
+    k0 = tl.load(SinkK + base + dims)  # [D]
+    v0 = tl.load(SinkV + base + dims)
+    s0 = tl.sum(q.to(tl.float32) * k0[None, :], 1) * qk_scale_log2  # [rows], log2 domain
+    m_i = tl.where(on, s0, m_i)
+    l_i = tl.where(on, 1.0, l_i)
+    acc = acc + tl.where(on, v0, 0.0)[None, :]
+    return m_i, l_i, acc, lo
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale, VMean,
+    SinkK, SinkV, SinkSlots,
     qk_scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -380,6 +405,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
     CENTER: tl.constexpr, PAGES_AHEAD: tl.constexpr, SAME_STRIDES: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -409,6 +435,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    if HAS_SINK:  # exact attention sink: key 0 from its slot, masked in the tiles
+        m_i, l_i, acc, lo = _sink_start(q, m_i, l_i, acc, SinkK, SinkV, SinkSlots, b, kv_head,
+                                        tl.num_programs(1), split == 0, qk_scale_log2, HEAD_DIM)  # fmt: skip
     if PAGES_AHEAD:  # page-table entries and K/V offsets one tile ahead: only the K/V loads wait in a tile
         keys = start + tl.arange(0, BLOCK_N)
         page = tl.load(page_row + keys // PAGE_SIZE, mask=keys < end, other=0).to(tl.int64)
@@ -417,6 +446,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
         valid = keys < end
+        if HAS_SINK:
+            valid = valid & (keys >= lo)
         if PAGES_AHEAD:
             k_off = k_off_next
             ahead = keys + BLOCK_N
@@ -674,6 +705,7 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
     tiered: TieredPages | None = None,
     v_mean: torch.Tensor | None = None,
+    sink: Sink | None = None,
 ) -> torch.Tensor:
     """Paged decode attention: q [B, H, D] over each request's ``seq_lens[b]`` keys -> [B, H, D].
 
@@ -702,8 +734,13 @@ def decode_attention(
         v_mean: [K, D] float32 contiguous channel means of an FP8 pool that stores centred
             values (``radixlm.runtime.kv_calibration``): added to the output in the
             epilogue (the attention weights sum to one), or None.
+        sink: exact attention sink of an FP8 pool (``radixlm.kernels.reference.Sink``:
+            [C, K, D] float32 contiguous slots, [B] int32 slot per request, -1 none); not
+            with ``tiered``.
     """
     _check_inputs(q, k_pool, v_pool, page_table, seq_lens)
+    _check_sink(sink, k_pool, k_scale, q.shape[0])
+    assert sink is None or tiered is None, "the exact sink is for FP8 pools, not tiered ones"
     _check_scales(k_pool, k_scale, v_scale)
     if v_mean is not None:
         assert k_scale is not None, "v_mean goes with an FP8 pool"
@@ -731,8 +768,19 @@ def decode_attention(
         assert part_out.shape == (batch, num_heads, num_splits, head_dim), part_out.shape
         assert part_lse.shape == (batch, num_heads, num_splits) and part_out.is_contiguous()
     _launch(q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, scale,
-            num_splits, config, k_scale, v_scale, tiered, v_mean)  # fmt: skip
+            num_splits, config, k_scale, v_scale, tiered, v_mean, sink)  # fmt: skip
     return out
+
+
+def _check_sink(sink: Sink | None, k_pool: torch.Tensor, k_scale: torch.Tensor | None, batch: int) -> None:
+    """An exact sink goes with an FP8 pool: float32 contiguous [C, K, D] slots, [B] int32."""
+    if sink is None:
+        return
+    assert k_scale is not None, "an exact sink goes with an FP8 pool"
+    shape = (k_pool.shape[2], k_pool.shape[3])
+    for t in (sink.k, sink.v):
+        assert t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape[1:]) == shape, t.shape
+    assert sink.slots.dtype == torch.int32 and tuple(sink.slots.shape) == (batch,), sink.slots.shape
 
 
 def _check_tiered(k_pool: torch.Tensor, tiered: TieredPages | None) -> None:
@@ -794,6 +842,7 @@ def _launch(
     v_scale: torch.Tensor | None = None,
     tiered: TieredPages | None = None,
     v_mean: torch.Tensor | None = None,
+    sink: Sink | None = None,
 ) -> tuple:
     """Launch the split kernel (and the merge kernel when num_splits > 1); returns Triton's
     compiled kernels (registers, shared memory; the merge entry is None when skipped)."""
@@ -822,9 +871,10 @@ def _launch(
             ALIGNED=aligned, STEP=step, **common,
         )  # fmt: skip
     else:
+        sink_args = (seq_lens, seq_lens, seq_lens) if sink is None else sink
         split = _decode_split_kernel[grid](
-            q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales,
-            scale * LOG2E, num_splits, *strides,
+            q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales, *sink_args,
+            scale * LOG2E, num_splits, *strides, HAS_SINK=sink is not None,
             QUANT=int(k_scale is not None),
             F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute),
             PAGES_AHEAD=config.pages_ahead, SAME_STRIDES=k_pool.stride() == v_pool.stride(),

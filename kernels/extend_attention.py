@@ -118,12 +118,14 @@ from radixlm.kernels.decode_attention import (
     DecodeWorkspace,
     TieredPages,
     _check_scales,
+    _check_sink,
     _check_tiered,
     _decode_merge_kernel,
     _dot_precision,
     _f16_dot,
     _fp16_operand,
     _num_sms,
+    _sink_start,
     _tiered_kv,
     _tile_kinds,
     _tile_pages,
@@ -132,6 +134,7 @@ from radixlm.kernels.decode_attention import (
     _tiled_step,
     _value_group,
 )
+from radixlm.kernels.reference import Sink
 
 __all__ = [
     "ExtendConfig",
@@ -297,7 +300,7 @@ def extend_num_splits(
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
-    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
+    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base, key_lo,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     SCALE_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, NO_LOOKUP: tl.constexpr,
     QUANT: tl.constexpr, SAFE: tl.constexpr,
@@ -309,14 +312,14 @@ def _attend_tile(
     NO_LOOKUP (measurement probe): page = page_base + key // PAGE_SIZE, no page-table load.
     SAFE: a row may have seen no key yet (m_i and the tile's max both -inf, as in a key
     split that starts past the row's position): subtract 0 instead of -inf (no NaN); the
-    row keeps l_i = 0."""
+    row keeps l_i = 0. MASKED tiles also hide keys < key_lo (1: key 0 is the exact sink's)."""
     keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
     dims = tl.arange(0, HEAD_DIM)
     if NO_LOOKUP:
         valid = keys < key_end
         page = (page_base + keys // PAGE_SIZE).to(tl.int64)
     elif MASKED:
-        valid = keys < key_end
+        valid = (keys < key_end) & (keys >= key_lo)
         page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
     else:
         page = tl.load(page_row + keys // PAGE_SIZE).to(tl.int64)
@@ -360,7 +363,7 @@ def _attend_tile(
 
 @triton.jit
 def _extend_kernel(
-    Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale,
+    Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale, SinkK, SinkV, SinkSlots,
     qk_scale_log2,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
@@ -368,7 +371,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     REVERSE_M: tl.constexpr, SCALE_MODE: tl.constexpr, WARP_SPEC: tl.constexpr,
-    PROBE: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
+    PROBE: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -414,17 +417,31 @@ def _extend_kernel(
     if PROBE == 2:  # measurement probe (wrong result): every block reads every key, unmasked
         key_end = prefix_len + extend_len
         full_end = key_end // BLOCK_N * BLOCK_N
-    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
+    first = 0
+    if HAS_SINK:  # exact attention sink: key 0 from its slot, the first tile masked
+        if SCALE_MODE == 2:
+            sink_factor = 1.0
+        else:
+            sink_factor = qk_scale_log2
+        m_i, l_i, acc, lo = _sink_start(q, m_i, l_i, acc, SinkK, SinkV, SinkSlots, b, kv_head,
+                                        tl.num_programs(0) // GROUP, True, sink_factor, HEAD_DIM)  # fmt: skip
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, page_row, 0, key_end, rows_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base, lo,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, SCALE_MODE, DOT_PRECISION, False, QUANT, False,
+        )  # fmt: skip
+        first = BLOCK_N
+    for n0 in tl.range(first, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base, 0,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT, False,
         )  # fmt: skip
     # Diagonal tiles, masked (PROBE 1, a measurement probe with a wrong result: unmasked).
-    for n0 in range(full_end, key_end, BLOCK_N):
+    for n0 in range(tl.maximum(full_end, first), key_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base, 0,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
             False,
         )  # fmt: skip
@@ -601,13 +618,14 @@ def _extend_tiered_kernel(
 @triton.jit(do_not_specialize=["num_splits", "stride_ptb"])
 def _extend_split_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, PartOut, PartLse, KScale, VScale,
+    SinkK, SinkV, SinkSlots,
     qk_scale_log2, num_splits, num_kv_heads,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
     stride_ptb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr, F16_DOT: tl.constexpr,
+    QUANT: tl.constexpr, F16_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
 ):  # fmt: skip
     """Grid (M blocks, N splits, B * K). Program: BLOCK_M new tokens x the G query heads of
     one kv head (rows r = token * GROUP_PAD + head), keys [start, end) of one split of the
@@ -651,17 +669,26 @@ def _extend_split_kernel(
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    if HAS_SINK:  # exact attention sink: key 0 from its slot (split 0), each split's first tile masked
+        m_i, l_i, acc, lo = _sink_start(q, m_i, l_i, acc, SinkK, SinkV, SinkSlots, b, kv_head,
+                                        num_kv_heads, split == 0, qk_scale_log2, HEAD_DIM)  # fmt: skip
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, page_row, start, end, rows_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0, lo,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True,
+        )  # fmt: skip
+        start = start + BLOCK_N
     for n0 in range(start, tl.minimum(end, full_end), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0, 0,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False,
         )  # fmt: skip
     # Diagonal tiles (and the split's partial last tile): causal mask; a row may see none.
     for n0 in range(tl.maximum(start, full_end), end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0, 0,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True,
         )  # fmt: skip
 
@@ -722,6 +749,7 @@ def extend_attention(
     workspace: DecodeWorkspace | None = None,
     split_config: ExtendSplitConfig | None = None,
     tiered: TieredPages | None = None,
+    sink: Sink | None = None,
 ) -> torch.Tensor:
     """Paged causal attention of each request's new tokens -> [T, H, D] in q's dtype.
 
@@ -748,9 +776,13 @@ def extend_attention(
         tiered: int4 / mixed pools (``decode_attention.TieredPages``): ``k_pool``/``v_pool``
             are the FP8 slots, pages without one are read as INT4 (``_extend_tiered_kernel``;
             D >= 32, ``config.block_n`` >= 16).
+        sink: exact attention sink of an FP8 pool (``decode_attention``'s argument of that
+            name); not with ``tiered``.
     """
     _check_inputs(q, k_pool, v_pool, page_table, cu_extend, prefix_lens)
     _check_scales(k_pool, k_scale, v_scale)
+    _check_sink(sink, k_pool, k_scale, page_table.shape[0])
+    assert sink is None or tiered is None, "the exact sink is for FP8 pools, not tiered ones"
     _check_tiered(k_pool, tiered)
     max_seq_len = page_table.shape[1] * k_pool.shape[1]  # bound on keys per request
     split_config = split_config or default_split_config(q.device)
@@ -776,10 +808,10 @@ def extend_attention(
         assert tuple(workspace.partial_lse.shape) == shape, (workspace.partial_lse.shape, shape)
         assert workspace.partial_out.shape == (*shape, head_dim) and workspace.partial_out.is_contiguous()
         _launch_split(q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, workspace,
-                      scale, max_extend_len, num_splits, split_config, k_scale, v_scale)  # fmt: skip
+                      scale, max_extend_len, num_splits, split_config, k_scale, v_scale, sink)  # fmt: skip
         return out
     _launch(q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, scale,
-            max_extend_len, config, k_scale=k_scale, v_scale=v_scale, tiered=tiered)  # fmt: skip
+            max_extend_len, config, k_scale=k_scale, v_scale=v_scale, tiered=tiered, sink=sink)  # fmt: skip
     return out
 
 
@@ -799,6 +831,7 @@ def _launch(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     tiered: TieredPages | None = None,
+    sink: Sink | None = None,
 ):
     """Launch ``_extend_kernel``; returns Triton's compiled kernel (registers, shared memory).
 
@@ -831,7 +864,7 @@ def _launch(
         )  # fmt: skip
     return _extend_kernel[grid](
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales,
-        scale * LOG2E, *strides,
+        *((prefix_lens,) * 3 if sink is None else sink), scale * LOG2E, *strides, HAS_SINK=sink is not None,
         SCALE_MODE=_SCALE_MODES[config.scale_mode], WARP_SPEC=config.warp_specialize, PROBE=probe,
         QUANT=int(k_scale is not None), F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute), **common,
     )  # fmt: skip
@@ -851,6 +884,7 @@ def _launch_split(
     config: ExtendSplitConfig,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sink: Sink | None = None,
 ) -> tuple:
     """Launch ``_extend_split_kernel`` then the log-sum-exp merge (decode's
     ``_decode_merge_kernel`` over [T, H] rows); returns both compiled kernels."""
@@ -862,7 +896,7 @@ def _launch_split(
     split = _extend_split_kernel[grid](
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, part_out, part_lse,
         prefix_lens if k_scale is None else k_scale, prefix_lens if v_scale is None else v_scale,
-        scale * LOG2E, num_splits, num_kv_heads,
+        *((prefix_lens,) * 3 if sink is None else sink), scale * LOG2E, num_splits, num_kv_heads,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
@@ -870,7 +904,7 @@ def _launch_split(
         GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_M=block_m,
         BLOCK_N=config.block_n, HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
         DOT_PRECISION=_dot_precision(q.dtype), QUANT=int(k_scale is not None),
-        F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute),
+        F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute), HAS_SINK=sink is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     merge = _decode_merge_kernel[(num_tokens, num_heads)](
@@ -888,6 +922,7 @@ def warm_up_split_path(
     max_seq_len: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sink_k: torch.Tensor | None = None,
 ) -> list[int]:
     """Compile the split-KV path for one layer's pool ([P, S, K, D]) before serving, so the
     first cached-prefix request does not pay Triton's JIT (seconds per binary) in its TTFT.
@@ -899,6 +934,7 @@ def warm_up_split_path(
     can never be taken). Caveat: Triton also specialises on 16-byte pointer alignment; FP8
     scale rows ``k_scale[layer]`` of a [L, K] tensor with K not a multiple of 4 alternate
     in alignment, so such a pool may still compile one more split binary on first use.
+    ``sink_k`` [C, K, D]: the pool keeps an exact sink (compiles that variant; slot -1).
     """
     device = k_pool.device
     num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
@@ -908,7 +944,10 @@ def warm_up_split_path(
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
     cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
     prefix = torch.zeros(1, dtype=torch.int32, device=device)
+    sink = None
+    if sink_k is not None:
+        sink = Sink(sink_k, sink_k, torch.full((1,), -1, dtype=torch.int32, device=device))
     for n in splits:
         extend_attention(q, k_pool, k_pool, table, cu, prefix, head_dim**-0.5, 1, num_splits=n,
-                         k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                         k_scale=k_scale, v_scale=v_scale, sink=sink)  # fmt: skip
     return splits

@@ -31,11 +31,13 @@ The Triton kernels are tested against it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
     "FP8_E4M3_MAX",
+    "Sink",
     "dequantize_fp8",
     "dequantize_int4",
     "dequantize_int4_pages",
@@ -232,6 +234,31 @@ def _attend_one(
     return torch.einsum("hel,lhd->ehd", probs, v)  # [E, H, D]
 
 
+class Sink(NamedTuple):
+    """Exact attention sink of an FP8 pool (``KVPool`` doc), one layer: ``k``/``v``
+    [C, K, D] float32 slots in the pages' units ((x - mean) / scale), ``slots`` [B] int
+    per request (-1: position 0 is read from its page)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+
+    def apply(self, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
+              v_scale: torch.Tensor | None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantised K/V [B, L, K, D] (centred) of requests ``first ..`` with position 0
+        replaced by the sink slot where one is set."""
+        assert k_scale is not None and v_scale is not None, "an exact sink goes with an FP8 pool"
+        slots = self.slots[first : first + k.shape[0]].long()
+        has = slots >= 0
+        if not bool(has.any()):
+            return k, v
+        safe = slots.clamp(min=0)
+        k, v = k.clone(), v.clone()
+        k[:, 0] = torch.where(has[:, None, None], self.k[safe] * k_scale[:, None], k[:, 0])
+        v[:, 0] = torch.where(has[:, None, None], self.v[safe] * v_scale[:, None], v[:, 0])
+        return k, v
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -242,6 +269,7 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sink: Sink | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole sequence, via pages.
 
@@ -253,6 +281,9 @@ def paged_attention(
         extend_lens: [B] new tokens per request (tensor or host list).
         scale: softmax scale, usually D ** -0.5.
         k_scale, v_scale: [K] float32 scales of FP8 pools (None for float pools).
+        sink: exact attention sink of an FP8 pool (``Sink``): request b reads position 0
+            from ``sink.k[slots[b]]`` / ``sink.v[slots[b]]`` instead of its page when
+            ``slots[b] >= 0``.
 
     Returns:
         [T, H, D] attention output in q's dtype (computed in float32).
@@ -268,6 +299,9 @@ def paged_attention(
         seq_len = p_len + e_len
         k = gather_kv(k_pool, page_table[b], seq_len, k_scale)  # [L, K, D]
         v = gather_kv(v_pool, page_table[b], seq_len, v_scale)
+        if sink is not None:
+            k, v = sink.apply(k[None], v[None], k_scale, v_scale, b)
+            k, v = k[0], v[0]
         rows = slice(start, start + e_len)
         out[rows] = _attend_one(q[rows], k, v, p_len, scale).to(q.dtype)
         start += e_len
@@ -283,6 +317,7 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sink: Sink | None = None,
 ) -> torch.Tensor:
     """Decode step (one query token per request), batched: no Python loop over requests.
 
@@ -298,6 +333,7 @@ def paged_decode_attention(
         seq_lens: [B] tokens per request including the new one (tensor or host list).
         scale: softmax scale.
         k_scale, v_scale: [K] float32 scales of FP8 pools (None for float pools).
+        sink: exact attention sink (as in ``paged_attention``).
 
     Returns:
         [B, H, D] in q's dtype (computed in float32).
@@ -314,6 +350,8 @@ def paged_decode_attention(
         return dense.reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]  # [B, L, K, D]
 
     k, v = gather(k_pool, k_scale), gather(v_pool, v_scale)
+    if sink is not None:
+        k, v = sink.apply(k, v, k_scale, v_scale)
     qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, K, G, L]
     pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, L]

@@ -40,7 +40,10 @@ class AttentionBackend(ABC):
         GQA head mapping ``h -> h // (H // K)``;
       * inputs may be strided views (last dim contiguous); output is [T, H, D], q's dtype;
       * FP8-slot pools with channel means store centred K/V (``KVPool`` doc) and add
-        ``v_mean`` back to the output (``KVPool.add_v_mean``).
+        ``v_mean`` back to the output (``KVPool.add_v_mean``);
+      * pools with an exact attention sink: write ``batch.sink_rows`` into their slots
+        (``KVPool.write_sink``) after the pages, and read position 0 of request b from
+        slot ``batch.sink_slots[b]`` where it is >= 0 (``_sink``).
 
     ``prepare(batch, pool)`` is called once per forward pass before layer 0, so a backend
     can build per-batch metadata (split sizes, CUDA-graph buffers) once, not per layer.
@@ -105,11 +108,12 @@ class TorchAttentionBackend(AttentionBackend):
             page_table, k_scale, v_scale = self._table, None, None
         else:
             reference.store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale, *means)
+        sink = _sink(k, v, layer_id, batch, pool)
         scale = q.shape[-1] ** -0.5
         if batch.is_decode:
             seq_lens = [p + 1 for p in batch.prefix_lens_cpu]
             out = reference.paged_decode_attention(
-                q, k_pool, v_pool, page_table, seq_lens, scale, k_scale, v_scale
+                q, k_pool, v_pool, page_table, seq_lens, scale, k_scale, v_scale, sink
             )
             return pool.add_v_mean(out, layer_id)
         out = reference.paged_attention(
@@ -122,6 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
             scale=scale,
             k_scale=k_scale,
             v_scale=v_scale,
+            sink=sink,
         )
         return pool.add_v_mean(out, layer_id)
 
@@ -193,6 +198,7 @@ class TritonAttentionBackend(AttentionBackend):
             )  # fmt: skip
         self._store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale,
                        pool.k_mean[layer_id], pool.v_mean[layer_id])  # fmt: skip
+        sink = _sink(k, v, layer_id, batch, pool)
         if not pool.quantised:
             q = q.to(k_pool.dtype)
         scale = q.shape[-1] ** -0.5
@@ -206,14 +212,26 @@ class TritonAttentionBackend(AttentionBackend):
             out = self._extend_mod.extend_attention(
                 q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
                 scale, max_extend_len=max(batch.extend_lens_cpu), k_scale=k_scale, v_scale=v_scale,
-                num_splits=self._num_splits, workspace=work, tiered=tiered,
+                num_splits=self._num_splits, workspace=work, tiered=tiered, sink=sink,
             )  # fmt: skip
             return pool.add_v_mean(out, layer_id)
         return self._decode.decode_attention(
             q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
             num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
-            tiered=tiered, v_mean=pool.v_mean[layer_id],
+            tiered=tiered, v_mean=pool.v_mean[layer_id], sink=sink,
         )  # fmt: skip
+
+
+def _sink(k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool
+          ) -> reference.Sink | None:
+    """The exact attention sink of this layer (None when the pool keeps none or the batch
+    carries no slots), after writing the pass's position-0 K/V (k/v [T, K, D]) into the
+    slots it claimed."""
+    if not pool.has_sink or batch.sink_slots is None:
+        return None
+    if batch.sink_rows is not None:
+        pool.write_sink(layer_id, k, v, batch.sink_rows, batch.sink_write_slots)
+    return reference.Sink(pool.sink_k[layer_id], pool.sink_v[layer_id], batch.sink_slots)
 
 
 def _triton_available() -> bool:

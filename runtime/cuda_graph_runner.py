@@ -9,7 +9,8 @@ Dimension letters: Bg the bucket's batch size, B the real batch (B <= Bg), Pmax 
 table width (context length / page size), E hidden size.
 
     static inputs, one host-to-device copy per step (the first Bg columns used):
-      inputs [5, Bmax] int64 = input_ids, positions, out_slots, src_rows, table_rows
+      inputs [6, Bmax] int64 = input_ids, positions, out_slots, src_rows, table_rows,
+        sink slots (exact attention sink, -1 none)
       req_pages [R, Pmax] int32: one page-table row per request, only changed ids copied
     graph(Bg):  ids = where(input_ids >= 0, input_ids, prev_ids[src_rows])
                 seq_lens = positions + 1;  page_table = req_pages[table_rows]
@@ -41,7 +42,7 @@ they sit at position 0 (in range of the rotary table), write their K/V to the du
 0, and only the hidden state of the last real token (row T - 1) is returned::
 
     static inputs [4, Tmax] int64, one host-to-device copy: input_ids, positions,
-      out_slots (first Tg columns) and (prefix_len, T - 1, page-table row) in row 3
+      out_slots (first Tg columns) and (prefix_len, T - 1, page-table row, sink slot) in row 3
     graph(Tg): prefix_lens = prefix_len; seq_lens = prefix_len + Tg; cu_extend = [0, Tg]
                page_table = req_pages[row]; model.forward -> hidden [1, E] of row T - 1
 
@@ -119,15 +120,18 @@ class CudaGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs, self.max_pages = self.batch_sizes[-1], max_pages
         n = self.max_bs
-        # Host inputs of a step, one [5, Bmax] int64 copy: ids (-1: in flight), positions,
-        # KV slots, rows of prev_ids for the -1 ids, rows of the device page table.
-        self.inputs = torch.zeros((5, n), dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.out_slots, self.src_rows, self.table_rows = self.inputs.unbind(0)
+        # Host inputs of a step, one [6, Bmax] int64 copy: ids (-1: in flight), positions,
+        # KV slots, rows of prev_ids for the -1 ids, rows of the device page table, exact
+        # sink slots (-1 none; pools with sink slots).
+        self.inputs = torch.zeros((6, n), dtype=torch.int64, device=device)
+        (self.input_ids, self.positions, self.out_slots, self.src_rows, self.table_rows,
+         self.sink_rows) = self.inputs.unbind(0)
         self.prev_ids = prev_ids
         # Derived on the device inside the graph.
         self.resolved_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.page_table = torch.zeros((n, max_pages), dtype=torch.int32, device=device)
+        self.sink_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(n, dtype=torch.int64, device=device)
         self.cu_extend = torch.arange(n + 1, dtype=torch.int32, device=device)
         # Page tables live on the device, one row per request (row 0: all dummy page 0),
@@ -137,18 +141,19 @@ class CudaGraphRunner:
         self.tables = PageTableRows(self.num_table_rows)
         # Pinned staging in two sets used in turn: a replay's copy may still be pending when
         # the host stages the next one (overlap), never when it stages the one after.
-        self._staging = [torch.zeros((5, n), dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._staging = [torch.zeros((6, n), dtype=torch.int64).pin_memory() for _ in range(2)]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # One-request extends: [4, Tmax] inputs (see the module docstring), derived buffers.
         self.extend_sizes = graph_extend_sizes(max_extend_tokens)
-        t = max(self.extend_sizes, default=1)
+        t = max([*self.extend_sizes, 4])  # row 3 holds 4 values
         self.ext_inputs = torch.zeros((4, t), dtype=torch.int64, device=device)
         self.ext_prefix = torch.zeros(1, dtype=torch.int32, device=device)
         self.ext_seq_len = torch.ones(1, dtype=torch.int32, device=device)
         self.ext_row = torch.zeros(1, dtype=torch.int64, device=device)
         self.ext_table = torch.zeros((1, max_pages), dtype=torch.int32, device=device)
+        self.ext_sink = torch.full((1,), -1, dtype=torch.int32, device=device)
         self._ext_staging = [torch.zeros((4, t), dtype=torch.int64).pin_memory() for _ in range(2)]
         self._ext_turn = 0
         self.ext_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -166,6 +171,7 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:bs], cu_extend=self.cu_extend[: bs + 1], out_slots=self.out_slots[:bs],
             logits_rows=self.logits_rows[:bs], page_size=self.page_size,
             prefix_lens_cpu=[bound - 1] * bs, extend_lens_cpu=[1] * bs,
+            sink_slots=self.sink_slots[:bs] if self.pool.has_sink else None,
         )  # fmt: skip
 
     def _static_extend_batch(self, tg: int) -> ForwardBatch:
@@ -180,6 +186,7 @@ class CudaGraphRunner:
             cu_extend=torch.tensor([0, tg], dtype=torch.int32, device=device),
             out_slots=self.ext_inputs[2, :tg], logits_rows=self.ext_row, page_size=self.page_size,
             prefix_lens_cpu=[max(bound - tg, 0)], extend_lens_cpu=[tg],
+            sink_slots=self.ext_sink if self.pool.has_sink else None,
         )  # fmt: skip
 
     def _forward_extend(self, tg: int, batch: ForwardBatch) -> torch.Tensor:
@@ -188,6 +195,7 @@ class CudaGraphRunner:
         self.ext_seq_len.copy_(meta[0:1] + tg)
         self.ext_row.copy_(meta[1:2])
         self.ext_table.copy_(self.req_pages[meta[2:3]])
+        self.ext_sink.copy_(meta[3:4])
         return self.model.forward(batch, self.pool)
 
     @torch.inference_mode()
@@ -223,6 +231,7 @@ class CudaGraphRunner:
         self.resolved_ids[:bs] = torch.where(ids >= 0, ids, self.prev_ids[self.src_rows[:bs]])
         self.seq_lens[:bs] = self.positions[:bs] + 1
         self.page_table[:bs] = self.req_pages[self.table_rows[:bs]]
+        self.sink_slots[:bs] = self.sink_rows[:bs]
         return self.model.forward(batch, self.pool)
 
     def bucket(self, batch_size: int) -> int | None:
@@ -233,13 +242,15 @@ class CudaGraphRunner:
         return None
 
     def replay(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]],
-               src_rows: list[int] | None = None, keys: list[Hashable] | None = None) -> torch.Tensor:
+               src_rows: list[int] | None = None, keys: list[Hashable] | None = None,
+               sink_slots: list[int] | None = None) -> torch.Tensor:
         """One decode step of B = len(input_ids) requests: request b feeds token
         ``input_ids[b]`` at ``positions[b]`` (its K/V goes to position ``positions[b]`` of
         the pages ``page_tables[b]``; it attends over positions 0..positions[b]). An input
         id of -1 is read from ``prev_ids[src_rows[b]]`` on the device. ``keys[b]``
         identifies request b across steps (its device page-table row is kept and only
-        changed page ids are copied); default: a fresh row per step.
+        changed page ids are copied); default: a fresh row per step. ``sink_slots[b]``:
+        request b's exact sink slot (pools with sink slots; -1 or omitted: none).
 
         The host inputs go through pinned buffers in two sets used in turn, so the caller
         must have waited on the stream for replay k (e.g. read its results) before replay
@@ -267,11 +278,13 @@ class CudaGraphRunner:
         self._turn ^= 1
         host = staging.numpy()
         host[:, b:bs] = 0  # padding rows: token 0, position 0, dummy slot 0, dummy table row 0
+        host[5, b:bs] = -1  # ... and no sink slot
         host[0, :b] = input_ids
         host[1, :b] = positions
         host[2, :b] = slots
         host[3, :b] = src_rows if src_rows is not None else 0
         host[4, :b] = rows
+        host[5, :b] = sink_slots if sink_slots is not None else -1
         self.inputs.copy_(staging, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
@@ -284,7 +297,7 @@ class CudaGraphRunner:
         return None
 
     def replay_extend(self, input_ids: list[int], start: int, pages: list[int],
-                      key: Hashable | None = None) -> torch.Tensor:
+                      key: Hashable | None = None, sink_slot: int = -1) -> torch.Tensor:
         """One request extends T = len(input_ids) tokens (all known on the host) at
         positions ``start ..`` of its ``pages``, attending over positions 0 .. start + i;
         ``key`` as in ``replay``. Staging as in ``replay`` (two pinned sets in turn).
@@ -292,7 +305,8 @@ class CudaGraphRunner:
         Returns the hidden state [1, E] (model dtype) of its last token, a view of the
         graph's output buffer that the next replay of that bucket overwrites. Raises
         ValueError if T < 2, T exceeds the largest bucket, or the page table is too short
-        or too wide.
+        or too wide. ``sink_slot``: the request's exact sink slot (-1 none); the graph only
+        reads it (a pass that writes a sink slot runs eagerly).
         """
         t = len(input_ids)
         tg = self.extend_bucket(t) if t >= 2 else None
@@ -311,7 +325,7 @@ class CudaGraphRunner:
         host[0, :t] = input_ids
         host[1, :t] = range(start, end)
         host[2, :t] = [pages[p // size] * size + p % size for p in range(start, end)]
-        host[3, :3] = (start, t - 1, row)
+        host[3, :4] = (start, t - 1, row, sink_slot)
         self.ext_inputs.copy_(staging, non_blocking=True)
         self.ext_graphs[tg].replay()
         return self.ext_outputs[tg]

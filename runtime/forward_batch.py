@@ -52,6 +52,11 @@ class ForwardBatch:
     # Host copies for code that loops over requests (reference backend, sampling).
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    # Exact attention sink (pools with sink slots, ``KVPool`` doc): the slot each request
+    # reads position 0 from (-1: its FP8 page), and the sink slots this pass writes.
+    sink_slots: torch.Tensor | None = None  # [B] int32
+    sink_rows: torch.Tensor | None = None  # [W] int64, rows of [T] at position 0 to write
+    sink_write_slots: torch.Tensor | None = None  # [W] int64, their slots
 
     @property
     def batch_size(self) -> int:
@@ -75,10 +80,14 @@ class ForwardBatch:
         logits_rows: list[int],
         page_size: int,
         device: torch.device | str,
+        sink_slots: list[int] | None = None,
+        sink_writes: list[tuple[int, int]] | None = None,
     ) -> ForwardBatch:
         """Build from host lists: ``tokens[b]`` are request b's new token ids, which sit at
         positions ``prefix_lens[b] ..``; ``page_tables[b]`` must cover every position up to
         ``prefix_lens[b] + len(tokens[b])``; ``logits_rows`` index the flat token list.
+        ``sink_slots[b]`` is request b's sink slot (-1 none) and ``sink_writes`` the
+        (flat row at position 0, slot) pairs this pass writes (``KVPool.sink_slot``).
 
         Raises ValueError if a page table is too short or a request has no new tokens.
         """
@@ -108,6 +117,7 @@ class ForwardBatch:
             return to_device(torch.tensor(values, dtype=dtype), device)
 
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
+        writes = sink_writes or []
         return cls(
             input_ids=t(flat_ids, torch.int64),
             positions=t(positions, torch.int64),
@@ -121,4 +131,7 @@ class ForwardBatch:
             page_size=page_size,
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=extend_lens,
+            sink_slots=None if sink_slots is None else t(sink_slots, torch.int32),
+            sink_rows=t([r for r, _ in writes], torch.int64) if writes else None,
+            sink_write_slots=t([s for _, s in writes], torch.int64) if writes else None,
         )

@@ -35,6 +35,21 @@ KV cache dtypes (``--kv-cache-dtype``, ``KV_CACHE_DTYPES``):
                          int4 every full page, mixed all but the sequence's first page
                          (attention sink) and its last ``window_pages`` full pages.
                          See docs/ARCHITECTURE.md "Quantised KV cache".
+
+Exact attention sink (fp8_e4m3 pools, ``sink_slots`` C > 0): position 0's K/V is kept
+unquantised beside the pages, one slot per distinct first token id (at position 0 a token
+attends only to itself, so its K/V depends on the token id alone):
+
+    sink_k[L, C, K, D]  sink_v[L, C, K, D] float32 = (x - mean) / scale (the pages' units,
+                        not rounded to e4m3); host map first token id -> slot
+
+A slot is claimed by the first pass that computes position 0 with that token and written
+by that pass's layers (``write_sink``, after store_kv); it is never evicted, so every
+request starting with that token, cached prefix or not, reads the same values. When all C
+slots are taken, later first tokens read their FP8 page as before. The kernels start the
+online softmax of the split holding key 0 from the slot and mask key 0 in the tiles.
+Source: KVQuant (Hooper et al., 2024) and IntactKV (Liu et al., 2024) keep the first
+tokens' K/V in full precision.
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ import torch
 from radixlm.kernels import reference
 
 __all__ = [
+    "DEFAULT_KV_SINK_SLOTS",
     "INT4_VALUE_GROUP",
     "KV_CACHE_DTYPES",
     "KVPool",
@@ -59,6 +75,7 @@ __all__ = [
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3", "int4", "mixed")
 TIERED_KV = ("int4", "mixed")  # INT4 pages + FP8 slots for the pages not demoted yet
+DEFAULT_KV_SINK_SLOTS = 64  # fp8_e4m3: exact attention sink slots (distinct first tokens), --kv-sink-slots
 INT4_VALUE_GROUP = 64  # values: one scale + zero-point per 64 channels of a token (min with D)
 PassWrite = tuple[Sequence[int], int, int]  # (page table row, first position, tokens) of one request
 _FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -227,6 +244,7 @@ class KVPool:
         v_means: torch.Tensor | None = None,
         num_fp8_pages: int | None = None,
         window_pages: int = 2,
+        sink_slots: int = 0,
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
@@ -259,6 +277,60 @@ class KVPool:
             shape = (self.num_fp8_pages, page_size, num_kv_heads, head_dim)
         self.k = [self._new(shape) for _ in range(num_layers)]
         self.v = [self._new(shape) for _ in range(num_layers)]
+        # Exact attention sink (module doc): FP8 pools only (tiered pools keep the sink page FP8).
+        if sink_slots < 0:
+            raise ValueError(f"sink_slots must be >= 0, got {sink_slots}")
+        self.sink_slots = sink_slots if self.quantised and not self.tiered else 0
+        sink_shape = (num_layers, self.sink_slots, num_kv_heads, head_dim)
+        self.sink_k = torch.zeros(sink_shape, dtype=torch.float32, device=self.device)
+        self.sink_v = torch.zeros(sink_shape, dtype=torch.float32, device=self.device)
+        self._sink_of: dict[int, int] = {}  # first token id -> slot
+
+    @property
+    def has_sink(self) -> bool:
+        """Whether this pool keeps position 0's K/V exact (an FP8 pool with sink slots)."""
+        return self.sink_slots > 0
+
+    def sink_slot(self, token: int, computes_position_0: bool) -> tuple[int, bool]:
+        """(slot, write) for a request whose token at position 0 is ``token``: the slot its
+        attention reads position 0 from (-1: its FP8 page), and whether this pass must write
+        it (``write_sink``). A pass that computes position 0 claims a free slot for a new
+        token; one that does not only finds an existing slot."""
+        slot = self._sink_of.get(token)
+        if slot is not None:
+            return slot, False
+        if not computes_position_0 or self.sink_full:
+            return -1, False
+        slot = self._sink_of[token] = len(self._sink_of)
+        return slot, True
+
+    def sink_lookup(self, token: int) -> int:
+        """The sink slot of first token ``token`` (-1: none yet); claims nothing."""
+        return self._sink_of.get(token, -1)
+
+    @property
+    def sink_tokens(self) -> int:
+        """Sink slots claimed so far (distinct first tokens)."""
+        return len(self._sink_of)
+
+    @property
+    def sink_full(self) -> bool:
+        """Whether every sink slot is claimed (new first tokens read their FP8 page)."""
+        return len(self._sink_of) >= self.sink_slots
+
+    def write_sink(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+        """Write position 0's exact K/V into sink slots: ``k``/``v`` [T, K, D] the pass's
+        new K/V of ``layer``, ``rows`` [W] int64 the rows at position 0, ``slots`` [W] int64
+        their slots; stored as (x - mean) / scale in float32."""
+        scale_k, scale_v = self.k_scale[layer], self.v_scale[layer]
+        assert scale_k is not None and scale_v is not None, "write_sink needs an FP8 pool"
+        for store, x, scale, mean in ((self.sink_k, k, scale_k, self.k_mean[layer]),
+                                      (self.sink_v, v, scale_v, self.v_mean[layer])):
+            x = x[rows].float()
+            if mean is not None:
+                x = x - mean
+            store[layer].index_copy_(0, slots, x / scale[:, None])
 
     def _init_tiered(self, num_fp8_pages: int, window_pages: int) -> None:
         if num_fp8_pages < 2:
@@ -314,12 +386,13 @@ class KVPool:
 
     @property
     def metadata_bytes(self) -> int:
-        """Bytes of scales beside the pages (FP8: 2 x L x K float32, and 2 x L x K x D float32
-        of channel means when centred; tiered: those plus the fp8_slot map, 4 bytes per
+        """Bytes of scales beside the pages (FP8: 2 x L x K float32, 2 x L x K x D float32
+        of channel means when centred, 2 x L x C x K x D float32 of sink slots; tiered: those plus the fp8_slot map, 4 bytes per
         page; INT4 statistics are in ``bytes_per_token``)."""
         scales = 2 * self.num_layers * self.num_kv_heads * 4 if self.quantised else 0
         if self.k_mean[0] is not None:
             scales += 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+        scales += 2 * self.sink_k.numel() * 4
         return scales + (4 * self.num_pages if self.tiered else 0)
 
     def add_v_mean(self, out: torch.Tensor, layer: int) -> torch.Tensor:

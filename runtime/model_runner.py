@@ -104,7 +104,8 @@ class ModelRunner:
         self.num_pages = self._size_pool()
         self.pool = KVPool(self.num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                            self.head_dim, self.dtype, self.device, args.kv_cache_dtype, *scales,
-                           num_fp8_pages=self.num_fp8_pages, window_pages=args.mixed_window_pages)
+                           num_fp8_pages=self.num_fp8_pages, window_pages=args.mixed_window_pages,
+                           sink_slots=args.sink_slots)
         self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
         pool = self.pool
         bf16_page = kv_page_bytes("bf16", self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
@@ -117,6 +118,9 @@ class ModelRunner:
                     pool.total_bytes / 2**20, pool.metadata_bytes, args.kv_cache_dtype,
                     "int4 + fp8 slots" if pool.tiered else str(pool.dtype).removeprefix("torch."),
                     pool.bytes_per_token, page / bf16_page, self.dtype, self.device)
+        if pool.has_sink:
+            logger.info("KV pool: exact attention sink, %d slots (first tokens) of position-0 K/V in float32, "
+                        "%d bytes (in the metadata)", pool.sink_slots, 2 * pool.sink_k.numel() * 4)
         if pool.tiered:
             logger.info("KV pool: %d FP8 slot pages (%d bytes) for pages not demoted to INT4 yet "
                         "(%s); whole pool %.3f of a bf16 pool of as many tokens", pool.num_fp8_pages,
@@ -143,7 +147,8 @@ class ModelRunner:
         start = time.perf_counter()
         q_dtype = self.dtype if self.pool.quantised else self.pool.dtype
         splits = warm_up_split_path(self.pool.k[0], self.config.num_attention_heads, q_dtype,
-                                    self.context_length, self.pool.k_scale[0], self.pool.v_scale[0])  # fmt: skip
+                                    self.context_length, self.pool.k_scale[0], self.pool.v_scale[0],
+                                    self.pool.sink_k[0] if self.pool.has_sink else None)  # fmt: skip
         torch.cuda.synchronize(self.device)
         logger.info("split-KV extend compiled for N in %s in %.1f s", splits, time.perf_counter() - start)
 
@@ -187,10 +192,11 @@ class ModelRunner:
         page = kv_page_bytes(args.kv_cache_dtype, self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
                              self.head_dim, self.page_size)
         per_token = -(-page // self.page_size)  # int4 / mixed: INT4 page + statistics
-        fp8_bytes = 0  # tiered pools: their FP8 slots come out of the budget first
+        fp8_bytes = 0  # tiered pools' FP8 slots and FP8 pools' sink slots come out of the budget first
         if self.num_fp8_pages:
             fp8_bytes = self.num_fp8_pages * kv_page_bytes("fp8_e4m3", self.dtype, cfg.num_hidden_layers,
                                                            cfg.num_key_value_heads, self.head_dim, self.page_size)
+        fp8_bytes += 2 * args.sink_slots * cfg.num_hidden_layers * cfg.num_key_value_heads * self.head_dim * 4
         tokens = args.max_total_tokens
         source = "--max-total-tokens"
         if tokens is None and self.device.type == "cuda":
@@ -352,8 +358,10 @@ class ModelRunner:
         src = [0] * len(items)
         for row, prev_row in inflight:
             src[row] = prev_row
+        pool = self.pool
+        sinks = [pool.sink_lookup(it.req.prompt_ids[0]) for it in items] if pool.has_sink else None
         return runner.replay([ids[0] for ids in inputs], [it.start for it in items],
-                             [it.req.pages for it in items], src, [it.req for it in items])
+                             [it.req.pages for it in items], src, [it.req for it in items], sinks)
 
     def _replay_extend(self, items: list[ScheduleItem], inputs: list[list[int]],
                        inflight: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -367,7 +375,12 @@ class ModelRunner:
         if (not it.samples or runner.extend_bucket(it.num_tokens) is None or it.num_tokens < 2
                 or self._prompt_positions(it)):
             return None
-        return runner.replay_extend(inputs[0], it.start, it.req.pages, it.req)
+        sink = -1
+        if self.pool.has_sink:
+            sink = self.pool.sink_lookup(it.req.prompt_ids[0])
+            if sink < 0 and it.start == 0 and not self.pool.sink_full:
+                return None  # this pass claims and writes a sink slot: the eager path does that
+        return runner.replay_extend(inputs[0], it.start, it.req.pages, it.req, sink)
 
     def prepare(self, items: list[ScheduleItem], inputs: list[list[int]] | None = None
                 ) -> tuple[ForwardBatch, list[tuple[list[int], int | None]]]:
@@ -381,9 +394,27 @@ class ModelRunner:
                          None if sample_row is None else len(flat) + len(prompt_rows)))
             flat += prompt_rows + ([sample_row] if sample_row is not None else [])
             base += it.num_tokens
+        sinks = self._sinks(items)
+        writes = None
+        if sinks is not None:  # rows at position 0 whose sink slot this pass claims
+            writes, base = [], 0
+            for it, (slot, write) in zip(items, sinks, strict=True):
+                if write:
+                    writes.append((base, slot))
+                base += it.num_tokens
         batch = ForwardBatch.build(tokens, [it.start for it in items], [it.req.pages for it in items],
-                                   flat, self.page_size, self.device)
+                                   flat, self.page_size, self.device,
+                                   None if sinks is None else [slot for slot, _ in sinks], writes)
         return batch, rows
+
+    def _sinks(self, items: list[ScheduleItem]) -> list[tuple[int, bool]] | None:
+        """Per item (sink slot, whether this pass writes it) if the pool keeps an exact
+        attention sink (``KVPool.sink_slot``), else None. An item starting at position 0
+        computes it and may claim a slot."""
+        pool = self.pool
+        if not pool.has_sink:
+            return None
+        return [pool.sink_slot(it.req.prompt_ids[0], it.start == 0) for it in items]
 
     @staticmethod
     def _prompt_positions(it: ScheduleItem) -> range:

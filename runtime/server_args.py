@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from radixlm.radix import EVICTION_POLICIES
-from radixlm.runtime.memory_pool import KV_CACHE_DTYPES
+from radixlm.runtime.memory_pool import DEFAULT_KV_SINK_SLOTS, KV_CACHE_DTYPES
 from radixlm.runtime.preemption import PREEMPTION_POLICIES
 from radixlm.runtime.schedule_policy import PREEMPTION_MODES
 from radixlm.runtime.waiting_order import SCHEDULE_POLICIES
@@ -100,6 +100,12 @@ class ServerArgs:
     )
     kv_mixed_window_pages: int | None = _opt(
         None, "--kv-cache-dtype mixed: full pages at the end of each sequence kept in FP8 (default 2)."
+    )
+    kv_sink_slots: int | None = _opt(
+        None,
+        "--kv-cache-dtype fp8_e4m3: first-token ids whose position-0 K/V (the attention sink) "
+        "is kept exact in float32 beside the FP8 pages (default 64; 0 = off). Position 0's K/V "
+        "depends on the token id alone; a slot is filled once and never evicted.",
     )
     kv_scales_path: str | None = _opt(
         None,
@@ -276,6 +282,11 @@ class ServerArgs:
                 raise ValueError("--kv-mixed-window-pages must be >= 0")
             if self.kv_cache_dtype != "mixed":
                 raise ValueError("--kv-mixed-window-pages only applies to --kv-cache-dtype mixed")
+        if self.kv_sink_slots is not None:
+            if self.kv_sink_slots < 0:
+                raise ValueError("--kv-sink-slots must be >= 0")
+            if self.kv_cache_dtype != "fp8_e4m3":
+                raise ValueError("--kv-sink-slots only applies to --kv-cache-dtype fp8_e4m3")
         if self.kv_cache_dtype in ("int4", "mixed") and self.preemption_mode == "swap":
             raise ValueError(f"--preemption-mode swap is not supported with --kv-cache-dtype "
                              f"{self.kv_cache_dtype} (use recompute or auto)")
@@ -311,6 +322,13 @@ class ServerArgs:
         self.importance_weight_values()  # raises on a malformed list
         if not 0.0 <= self.decode_reserve_min_ratio <= self.decode_reserve_ratio:
             raise ValueError("need 0 <= --decode-reserve-min-ratio <= --decode-reserve-ratio")
+
+    @property
+    def sink_slots(self) -> int:
+        """Exact attention sink slots of the KV pool (64 by default for fp8_e4m3, else 0)."""
+        if self.kv_cache_dtype != "fp8_e4m3":
+            return 0
+        return DEFAULT_KV_SINK_SLOTS if self.kv_sink_slots is None else self.kv_sink_slots
 
     @property
     def mixed_window_pages(self) -> int:

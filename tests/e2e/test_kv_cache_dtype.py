@@ -36,7 +36,9 @@ def test_fp8_server_answers_and_shares_fp8_prefix_pages(server_factory, idle_inv
     assert "FP8 KV scales and channel means calibrated on 1627 tokens" in log
     # 4096 tokens x 30 layers x 3 kv heads x 64 x 2 (K, V) x 1 byte + the dummy page
     # + 720 B of scales + 46,080 B of channel means (30 x 3 x 64 x 2 x float32)
-    assert "4096 tokens, 47417040 bytes" in log and "46800 bytes of metadata" in log
+    # + 2,949,120 B of exact sink slots (64 x 30 x 3 x 64 x 2 x float32)
+    assert "4096 tokens, 50366160 bytes" in log and "2995920 bytes of metadata" in log
+    assert "exact attention sink, 64 slots" in log
 
 
 def test_server_refuses_to_start_with_unusable_scales(server_factory, tmp_path):

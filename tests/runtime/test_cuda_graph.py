@@ -56,6 +56,21 @@ def test_page_table_rows_copy_only_what_changed() -> None:
         rows.sync([a, b, c, d], [[1], [2], [3], [4]])
 
 
+def _claim_sinks(pool: KVPool, prompts: list[list[int]]) -> tuple[list[int] | None, list[tuple[int, int]] | None]:
+    """(sink slots, writes) of a prefill of ``prompts`` from position 0, as ModelRunner
+    builds them (``KVPool.sink_slot``); (None, None) for pools without a sink."""
+    if not pool.has_sink:
+        return None, None
+    slots, writes, row = [], [], 0
+    for ids in prompts:
+        slot, write = pool.sink_slot(ids[0], True)
+        slots.append(slot)
+        if write:
+            writes.append((row, slot))
+        row += len(ids)
+    return slots, writes
+
+
 def test_graph_runner_refuses_cpu(tiny_hf_model: Callable) -> None:
     model = load_model(tiny_hf_model()[0], torch.float32, "cpu", "torch")
     pool = KVPool(8, 4, 2, 2, 16, torch.float32, "cpu")
@@ -64,27 +79,30 @@ def test_graph_runner_refuses_cpu(tiny_hf_model: Callable) -> None:
 
 
 @pytest.mark.parametrize(("batch", "kv"), [(1, "auto"), (3, "auto"), (8, "auto"), (13, "auto"),
-                                           (3, "fp8_e4m3+means"), (13, "fp8_e4m3+means")])  # fmt: skip
+                                           (3, "fp8_e4m3+means"), (13, "fp8_e4m3+means"),
+                                           (3, "fp8_e4m3+sink"), (13, "fp8_e4m3+sink")])  # fmt: skip
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int, kv: str) -> None:
     """B requests of different lengths (prefilled eagerly) decode one token through the
     graph (padded to the bucket): hidden states and the K/V written equal the eager pass,
     and the dummy page absorbs the padding rows' writes. ``fp8_e4m3+means``: FP8 pages
-    centred on channel means (the decode kernel adds v_mean in its epilogue)."""
+    centred on channel means (the decode kernel adds v_mean in its epilogue); ``+sink``:
+    also an exact attention sink of 4 slots (13 requests: some read their FP8 page)."""
     page = 4
     model = load_model(tiny_hf_model(max_position_embeddings=64)[0], torch.float32, "cuda", "triton")
     cfg = model.config
     rng = random.Random(batch)
     layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     quant: tuple = ()
-    if kv == "fp8_e4m3+means":
+    if kv in ("fp8_e4m3+means", "fp8_e4m3+sink"):
         gen = torch.Generator().manual_seed(3)
         quant = ("fp8_e4m3", torch.full((layers, kv_heads), 0.02), torch.full((layers, kv_heads), 0.03),
                  torch.randn(layers, kv_heads, 16, generator=gen), torch.randn(layers, kv_heads, 16, generator=gen))  # fmt: skip
 
     def fresh() -> tuple[KVPool, list[list[int]], list[list[int]]]:
-        pool = KVPool(96, page, layers, kv_heads, 16, torch.float32, "cuda", *quant)
+        pool = KVPool(96, page, layers, kv_heads, 16, torch.float32, "cuda", *quant,
+                      sink_slots=4 if kv == "fp8_e4m3+sink" else 0)  # fmt: skip
         for layer in range(cfg.num_hidden_layers):  # pools start uninitialised
             pool.k[layer].zero_()
             pool.v[layer].zero_()
@@ -95,7 +113,7 @@ def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int, kv: st
             prompts.append(r.choices(range(256), k=n))
             tables.append(alloc.alloc(-(-(n + 2) // page)))  # room for two decode steps
             alloc.alloc(1)  # non-contiguous tables
-        prefill = ForwardBatch.build(prompts, [0] * batch, tables, [0], page, "cuda")
+        prefill = ForwardBatch.build(prompts, [0] * batch, tables, [0], page, "cuda", *_claim_sinks(pool, prompts))
         with torch.inference_mode():
             model(prefill, pool)
         return pool, tables, prompts
@@ -103,7 +121,10 @@ def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int, kv: st
     next_ids = [rng.randrange(256) for _ in range(batch)]
     pool_e, tables, prompts = fresh()
     positions = [len(p) for p in prompts]
-    eager_batch = ForwardBatch.build([[t] for t in next_ids], positions, tables, list(range(batch)), page, "cuda")
+    sinks = [pool_e.sink_lookup(p[0]) for p in prompts] if pool_e.has_sink else None
+    assert sinks is None or (0 in sinks and (batch < 5 or -1 in sinks)), sinks
+    eager_batch = ForwardBatch.build([[t] for t in next_ids], positions, tables, list(range(batch)), page, "cuda",
+                                     sinks)  # fmt: skip
     with torch.inference_mode():
         want = model(eager_batch, pool_e)
 
@@ -115,7 +136,7 @@ def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int, kv: st
     prev[: batch] = torch.tensor(next_ids[::-1], device="cuda")
     host_ids = [-1 if b % 2 else t for b, t in enumerate(next_ids)]
     src = [batch - 1 - b for b in range(batch)]
-    got = runner.replay(host_ids, positions, tables_g, src)
+    got = runner.replay(host_ids, positions, tables_g, src, sink_slots=sinks)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     for layer in range(cfg.num_hidden_layers):
         torch.testing.assert_close(pool_g.k[layer][1:].float(), pool_e.k[layer][1:].float(), atol=1e-6, rtol=0)
@@ -123,8 +144,8 @@ def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int, kv: st
     # Second step: every request decodes one more token, each row's table grew at most a page.
     with torch.inference_mode():
         want2 = model(ForwardBatch.build([[t] for t in next_ids], [p + 1 for p in positions], tables,
-                                         list(range(batch)), page, "cuda"), pool_e)
-    got2 = runner.replay(next_ids, [p + 1 for p in positions], tables_g, keys=list(range(batch)))
+                                         list(range(batch)), page, "cuda", sinks), pool_e)
+    got2 = runner.replay(next_ids, [p + 1 for p in positions], tables_g, keys=list(range(batch)), sink_slots=sinks)
     torch.testing.assert_close(got2, want2, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="captured sizes"):
         runner.replay([0] * 17, [0] * 17, [[1]] * 17)
@@ -132,22 +153,31 @@ def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int, kv: st
         runner.replay([0], [page], [[1]])
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3+sink"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_extend_replay_matches_eager(tiny_hf_model: Callable) -> None:
+def test_extend_replay_matches_eager(tiny_hf_model: Callable, kv: str) -> None:
     """One request extends T tokens over a cached prefix through the extend graphs (padded
     to the bucket): the last token's hidden state and the K/V written equal the eager
     pass, for prefixes mid-page and page-aligned, T from 2 to the largest bucket, the
-    same runner reused across requests; the dummy page absorbs the padding's writes."""
+    same runner reused across requests; the dummy page absorbs the padding's writes.
+    ``fp8_e4m3+sink``: FP8 pages with an exact sink, claimed by the eager prefix passes
+    (the graphs only read sink slots; a pass that claims one runs eagerly)."""
     page = 4
     model = load_model(tiny_hf_model(max_position_embeddings=128)[0], torch.float32, "cuda", "triton")
     cfg = model.config
     cases = [(0, 5), (13, 16), (37, 20), (8, 2), (60, 32), (3, 17)]  # (prefix, T)
+    quant: tuple = ()
+    if kv == "fp8_e4m3+sink":
+        cases = cases[1:]  # prefix 0 would claim its slot in the graph's pass
+        layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        quant = ("fp8_e4m3", torch.full((layers, kv_heads), 0.02), torch.full((layers, kv_heads), 0.03))
     r = random.Random(3)
     prompts = [r.choices(range(256), k=p + t) for p, t in cases]
 
     def fresh() -> tuple[KVPool, list[list[int]]]:
-        pool = KVPool(160, page, cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, "cuda")
+        pool = KVPool(160, page, cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, "cuda",
+                      *quant, sink_slots=8 if quant else 0)  # fmt: skip
         for layer in range(cfg.num_hidden_layers):
             pool.k[layer].zero_()
             pool.v[layer].zero_()
@@ -157,24 +187,33 @@ def test_extend_replay_matches_eager(tiny_hf_model: Callable) -> None:
             alloc.alloc(1)  # non-contiguous tables
             if prefix:  # the cached prefix, computed eagerly
                 with torch.inference_mode():
-                    model(ForwardBatch.build([ids[:prefix]], [0], [tables[-1]], [0], page, "cuda"), pool)
+                    model(ForwardBatch.build([ids[:prefix]], [0], [tables[-1]], [0], page, "cuda",
+                                             *_claim_sinks(pool, [ids[:prefix]])), pool)  # fmt: skip
         return pool, tables
+
+    def sink_of(pool: KVPool, ids: list[int]) -> int:
+        return pool.sink_lookup(ids[0]) if pool.has_sink else -1
 
     pool_e, tables = fresh()
     want = []
     for (prefix, t), ids, table in zip(cases, prompts, tables, strict=True):
         with torch.inference_mode():
-            want.append(model(ForwardBatch.build([ids[prefix:]], [prefix], [table], [t - 1], page, "cuda"), pool_e))
+            sinks = [sink_of(pool_e, ids)] if pool_e.has_sink else None
+            want.append(model(ForwardBatch.build([ids[prefix:]], [prefix], [table], [t - 1], page, "cuda", sinks),
+                              pool_e))  # fmt: skip
     pool_g, tables_g = fresh()
     runner = CudaGraphRunner(model, pool_g, max_bs=2, max_pages=32, prev_ids=torch.zeros(2, dtype=torch.int64,
                              device="cuda"), max_extend_tokens=32)  # fmt: skip
     assert runner.extend_sizes == [16, 32]
     for k, ((prefix, _t), ids, table) in enumerate(zip(cases, prompts, tables_g, strict=True)):
-        got = runner.replay_extend(ids[prefix:], prefix, table, key=k)
+        got = runner.replay_extend(ids[prefix:], prefix, table, key=k, sink_slot=sink_of(pool_g, ids))
         torch.testing.assert_close(got, want[k], atol=2e-5, rtol=2e-5)
     for layer in range(cfg.num_hidden_layers):
-        torch.testing.assert_close(pool_g.k[layer][1:], pool_e.k[layer][1:], atol=1e-6, rtol=0)
-        torch.testing.assert_close(pool_g.v[layer][1:], pool_e.v[layer][1:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(pool_g.k[layer][1:].float(), pool_e.k[layer][1:].float(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(pool_g.v[layer][1:].float(), pool_e.v[layer][1:].float(), atol=1e-6, rtol=0)
+    if pool_g.has_sink:  # the eager prefix passes wrote the same slots in both pools
+        assert pool_g.sink_tokens == pool_e.sink_tokens > 0
+        torch.testing.assert_close(pool_g.sink_k, pool_e.sink_k, atol=0, rtol=0)
     with pytest.raises(ValueError, match="captured extend lengths"):
         runner.replay_extend([0] * 33, 0, list(range(1, 10)))
     with pytest.raises(ValueError, match="does not reach"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -248,15 +249,16 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 3451
           407, 19712, 8182, 2, 198, 1, 4093, 198, 504, 3458, 282, 4649, 314, 2, 198, 1, 520, 9531, 198]
 
 
-def _serve(smollm2_dir: str, kind: str, device: str) -> tuple[list[list[int]], dict[str, int], int]:
+def _serve(smollm2_dir: str, kind: str, device: str, **overrides) -> tuple[list[list[int]], dict[str, int], Any]:
     """ModelRunner + Scheduler: request a, then b and c together (both reuse a's cached
-    prompt pages), 12 greedy tokens each -> (outputs a, b, c; cached tokens; pages demoted)."""
+    prompt pages), 12 greedy tokens each -> (outputs a, b, c; cached tokens; the runner).
+    ``overrides``: more ServerArgs fields."""
     from radixlm.runtime import messages as m
     from radixlm.runtime.model_runner import ModelRunner
     from radixlm.runtime.scheduler import Scheduler
 
     args = ServerArgs(model_path=smollm2_dir, device=device, max_total_tokens=2048, kv_cache_dtype=kind,
-                      page_size=8, debug_invariants=True)  # fmt: skip
+                      page_size=8, debug_invariants=True, **overrides)  # fmt: skip
     runner = ModelRunner(args)
     sched = Scheduler(args.replace(model_path="unused"), runner)
     ids: dict[str, list[int]] = {"a": [], "b": [], "c": []}
@@ -273,7 +275,7 @@ def _serve(smollm2_dir: str, kind: str, device: str) -> tuple[list[list[int]], d
                     cached[out.rid] = out.cached_tokens
             sched.outbox.clear()
     assert not sched.violations, sched.violations  # pool / tree invariants after every step
-    return [ids["a"], ids["b"], ids["c"]], cached, getattr(runner.pool, "num_demoted", 0)
+    return [ids["a"], ids["b"], ids["c"]], cached, runner
 
 
 def _check_served(outputs: dict, cached: dict, demoted: dict) -> None:
@@ -291,7 +293,8 @@ def test_server_runs_int4_and_mixed_end_to_end(smollm2_dir: str) -> None:
     radix-cached prompt is reused and requests sharing it read the same values."""
     outputs, cached, demoted = {}, {}, {}
     for kind in ("fp8_e4m3", "int4", "mixed"):
-        outputs[kind], cached[kind], demoted[kind] = _serve(smollm2_dir, kind, "cpu")
+        outputs[kind], cached[kind], runner = _serve(smollm2_dir, kind, "cpu")
+        demoted[kind] = getattr(runner.pool, "num_demoted", 0)
     _check_served(outputs, cached, demoted)
     # Token 3 of a is a near-tie (fp8_e4m3 itself leaves the float cache's answer there), so
     # only the tokens before it are compared. Seen with transformers 5.2x / torch 2.13 (CPU):
@@ -308,7 +311,8 @@ def test_server_runs_int4_and_mixed_on_gpu(smollm2_dir: str) -> None:
     graphs, the Triton demotion kernel, overlap scheduling."""
     outputs, cached, demoted = {}, {}, {}
     for kind in ("fp8_e4m3", "int4", "mixed"):
-        outputs[kind], cached[kind], demoted[kind] = _serve(smollm2_dir, kind, "cuda")
+        outputs[kind], cached[kind], runner = _serve(smollm2_dir, kind, "cuda")
+        demoted[kind] = getattr(runner.pool, "num_demoted", 0)
     _check_served(outputs, cached, demoted)
     for kind in ("int4", "mixed"):
         assert outputs[kind][0][:2] == outputs["fp8_e4m3"][0][:2], outputs
