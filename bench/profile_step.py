@@ -58,10 +58,10 @@ class HostOnlyGraphs(CudaGraphRunner):
         self.pool, self.page_size = runner.pool, runner.page_size
         self.batch_sizes = graph_batch_sizes(n)
         self.max_bs, self.max_pages = n, pages
-        self.inputs = torch.zeros((5, n), dtype=torch.int64)
+        self.inputs = torch.zeros((6, n), dtype=torch.int64)
         self.req_pages = torch.zeros((2 * n + 1, pages), dtype=torch.int32)
         self.tables = PageTableRows(2 * n + 1)
-        self._staging, self._turn = [torch.zeros((5, n), dtype=torch.int64) for _ in range(2)], 0
+        self._staging, self._turn = [torch.zeros((6, n), dtype=torch.int64) for _ in range(2)], 0
         self.graphs = {bs: type("NoGraph", (), {"replay": lambda self: None})() for bs in self.batch_sizes}
         self.outputs = {bs: hidden[:bs] for bs in self.batch_sizes}
         self.extend_sizes = []
