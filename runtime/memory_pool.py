@@ -285,6 +285,7 @@ class KVPool:
         self.sink_k = torch.zeros(sink_shape, dtype=torch.float32, device=self.device)
         self.sink_v = torch.zeros(sink_shape, dtype=torch.float32, device=self.device)
         self._sink_of: dict[int, int] = {}  # first token id -> slot
+        self._sink_free = list(range(self.sink_slots - 1, -1, -1))  # unclaimed slots, lowest last
 
     @property
     def has_sink(self) -> bool:
@@ -301,8 +302,16 @@ class KVPool:
             return slot, False
         if not computes_position_0 or self.sink_full:
             return -1, False
-        slot = self._sink_of[token] = len(self._sink_of)
+        slot = self._sink_of[token] = self._sink_free.pop()
         return slot, True
+
+    def unclaim_sinks(self, tokens: Sequence[int]) -> None:
+        """Give back the slots a pass claimed for these first tokens (the pass failed before
+        writing them), so no request reads a slot that was never written."""
+        for token in tokens:
+            slot = self._sink_of.pop(token, None)
+            if slot is not None:
+                self._sink_free.append(slot)
 
     def sink_lookup(self, token: int) -> int:
         """The sink slot of first token ``token`` (-1: none yet); claims nothing."""
@@ -316,7 +325,7 @@ class KVPool:
     @property
     def sink_full(self) -> bool:
         """Whether every sink slot is claimed (new first tokens read their FP8 page)."""
-        return len(self._sink_of) >= self.sink_slots
+        return not self._sink_free
 
     def write_sink(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
                    slots: torch.Tensor) -> None:

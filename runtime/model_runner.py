@@ -101,11 +101,13 @@ class ModelRunner:
                                                args.max_running_requests, args.max_prefill_tokens, self.page_size,
                                                self.context_length)
                               if args.kv_cache_dtype in TIERED_KV else None)
+        # Exact sink slots: one per distinct first token, so more than the vocabulary never helps.
+        self.sink_slots = min(args.sink_slots, self.vocab_size)
         self.num_pages = self._size_pool()
         self.pool = KVPool(self.num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                            self.head_dim, self.dtype, self.device, args.kv_cache_dtype, *scales,
                            num_fp8_pages=self.num_fp8_pages, window_pages=args.mixed_window_pages,
-                           sink_slots=args.sink_slots)
+                           sink_slots=self.sink_slots)
         self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
         pool = self.pool
         bf16_page = kv_page_bytes("bf16", self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
@@ -134,6 +136,7 @@ class ModelRunner:
         self._last_launch: PendingStep | None = None
         # see _sampling_batch: (requests, their SamplingBatch, request -> row)
         self._sampling_cache: tuple[tuple[Req, ...], SamplingBatch, dict[Req, int]] | None = None
+        self._sink_claims: list[int] = []  # first tokens whose sink slots the last prepare() claimed
         self.graph_runner = self._make_graph_runner()
         self._warm_up_split_extend()
 
@@ -196,7 +199,7 @@ class ModelRunner:
         if self.num_fp8_pages:
             fp8_bytes = self.num_fp8_pages * kv_page_bytes("fp8_e4m3", self.dtype, cfg.num_hidden_layers,
                                                            cfg.num_key_value_heads, self.head_dim, self.page_size)
-        fp8_bytes += 2 * args.sink_slots * cfg.num_hidden_layers * cfg.num_key_value_heads * self.head_dim * 4
+        fp8_bytes += 2 * self.sink_slots * cfg.num_hidden_layers * cfg.num_key_value_heads * self.head_dim * 4
         tokens = args.max_total_tokens
         source = "--max-total-tokens"
         if tokens is None and self.device.type == "cuda":
@@ -279,7 +282,11 @@ class ModelRunner:
                 flat = to_device(torch.tensor([i for i, _ in inflight]), self.device)
                 src = to_device(torch.tensor([r for _, r in inflight]), self.device)
                 batch.input_ids[flat] = self._prev_ids[src]
-            hidden = self.model.forward(batch, self.pool)
+            try:
+                hidden = self.model.forward(batch, self.pool)
+            except BaseException:
+                self.pool.unclaim_sinks(self._sink_claims)  # never written: no request may read them
+                raise
         if writes:  # int4 / mixed: demote pages that left the FP8 window (all of a prompt's)
             self.pool.end_pass(writes, [it.num_tokens > 1 or it.start < len(it.req.prompt_ids) for it in items])
         logits = self.model.compute_logits(hidden)  # [N, V] float32
@@ -395,12 +402,13 @@ class ModelRunner:
             flat += prompt_rows + ([sample_row] if sample_row is not None else [])
             base += it.num_tokens
         sinks = self._sinks(items)
-        writes = None
+        writes, self._sink_claims = None, []
         if sinks is not None:  # rows at position 0 whose sink slot this pass claims
             writes, base = [], 0
             for it, (slot, write) in zip(items, sinks, strict=True):
                 if write:
                     writes.append((base, slot))
+                    self._sink_claims.append(it.req.prompt_ids[0])
                 base += it.num_tokens
         batch = ForwardBatch.build(tokens, [it.start for it in items], [it.req.pages for it in items],
                                    flat, self.page_size, self.device,

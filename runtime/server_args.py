@@ -285,8 +285,8 @@ class ServerArgs:
         if self.kv_sink_slots is not None:
             if self.kv_sink_slots < 0:
                 raise ValueError("--kv-sink-slots must be >= 0")
-            if self.kv_cache_dtype != "fp8_e4m3":
-                raise ValueError("--kv-sink-slots only applies to --kv-cache-dtype fp8_e4m3")
+            if self.kv_sink_slots > 0 and self.kv_cache_dtype != "fp8_e4m3":
+                raise ValueError("--kv-sink-slots only applies to --kv-cache-dtype fp8_e4m3 (0 = off is accepted with any)")
         if self.kv_cache_dtype in ("int4", "mixed") and self.preemption_mode == "swap":
             raise ValueError(f"--preemption-mode swap is not supported with --kv-cache-dtype "
                              f"{self.kv_cache_dtype} (use recompute or auto)")

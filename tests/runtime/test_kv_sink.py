@@ -31,6 +31,9 @@ def test_sink_slots_are_claimed_once_per_first_token_and_never_evicted() -> None
     assert pool.sink_slot(7, computes_position_0=True) == (1, True)
     assert pool.sink_full and pool.sink_slot(9, computes_position_0=True) == (-1, False)  # full: FP8 page
     assert pool.sink_lookup(7) == 1 and pool.sink_lookup(9) == -1
+    pool.unclaim_sinks([5, 11])  # a failed pass gives its claims back (11 held none)
+    assert pool.sink_lookup(5) == -1 and not pool.sink_full
+    assert pool.sink_slot(9, computes_position_0=True) == (0, True) and pool.sink_full
     # Counted as metadata: scales + 2 x L x C x K x D float32 slots.
     assert pool.metadata_bytes == 2 * 2 * 3 * 4 + 2 * 2 * 2 * 3 * 8 * 4
     assert _fp8_pool(0).metadata_bytes == 2 * 2 * 3 * 4 and not _fp8_pool(0).has_sink
@@ -56,6 +59,7 @@ def test_kv_sink_slots_flag() -> None:
     assert ServerArgs(kv_cache_dtype="mixed").sink_slots == 0 and ServerArgs().sink_slots == 0
     with pytest.raises(ValueError, match="--kv-sink-slots only applies to --kv-cache-dtype fp8_e4m3"):
         ServerArgs(kv_cache_dtype="int4", kv_sink_slots=8).validate()
+    ServerArgs(kv_cache_dtype="bf16", kv_sink_slots=0).validate()  # off is accepted with any dtype
     with pytest.raises(ValueError, match="--kv-sink-slots must be >= 0"):
         ServerArgs(kv_cache_dtype="fp8_e4m3", kv_sink_slots=-1).validate()
 
@@ -78,6 +82,25 @@ def test_server_keeps_the_first_tokens_kv_exact(smollm2_dir: str) -> None:
                                               (pool.sink_v, session.pool.v, pool.v_scale, pool.v_mean)):
             want = (float_pool[layer][page, 0] - mean[layer]) / scale[layer][:, None]
             torch.testing.assert_close(sink[layer, 0], want, rtol=1e-4, atol=1e-3)
+    # A pass that claims a slot and fails before writing it gives the slot back: the request
+    # is aborted with an error and the next prefill with that first token claims it afresh.
+    from radixlm.runtime import messages as m
+    from radixlm.runtime.scheduler import Scheduler
+
+    sched = Scheduler(runner.args.replace(model_path="unused"), runner)
+    forward = runner.model.forward
+    runner.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    prompt = [9690, *PROMPT[1:20]]
+    sched.handle(m.GenerateReq(rid="d", input_ids=prompt, sampling=m.SamplingParams(max_new_tokens=2, temperature=0.0)))
+    for _ in range(3):
+        sched._safe_step()
+    assert [o.finish_reason for o in sched.outbox if o.rid == "d"][-1] is not None
+    assert pool.sink_lookup(9690) == -1 and pool.sink_tokens == 1
+    runner.model.forward = forward
+    sched.handle(m.GenerateReq(rid="e", input_ids=prompt, sampling=m.SamplingParams(max_new_tokens=2, temperature=0.0)))
+    for _ in range(4):
+        sched._safe_step()
+    assert pool.sink_lookup(9690) == 1 and float(pool.sink_k[0, 1].abs().sum()) > 0
     # Without slots the same requests run on FP8 position 0 (and still agree with each other).
     outputs0, _, runner0 = _serve(smollm2_dir, "fp8_e4m3", "cpu", kv_sink_slots=0)
     assert not runner0.pool.has_sink and outputs0[1] == outputs0[2]
