@@ -206,7 +206,7 @@ def test_kv_pool_sizing_is_logged(monkeypatch: pytest.MonkeyPatch, caplog: pytes
 
     cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2)
     runner = SimpleNamespace(config=cfg, head_dim=8, dtype=torch.float32, page_size=16, num_fp8_pages=None,
-                             device=torch.device("cuda"), args=ServerArgs(mem_fraction_static=0.5))
+                             sink_slots=0, device=torch.device("cuda"), args=ServerArgs(mem_fraction_static=0.5))
     per_token = 2 * 2 * 2 * 8 * 4  # K and V x layers x kv heads x head dim x fp32 bytes
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * 2**30, 8 * 2**30))
     with caplog.at_level(logging.INFO, logger="radixlm.model_runner"):
@@ -232,3 +232,13 @@ def test_kv_pool_sizing_is_logged(monkeypatch: pytest.MonkeyPatch, caplog: pytes
     tokens = int((8 * 2**30 * 0.5 - 2 * 2**30 - 10 * fp8_page) // 56)
     assert pages == tokens // 16 + 1
     assert f"KV pool capacity from --mem-fraction-static: {tokens} tokens x 56 bytes" in caplog.text
+    # fp8_e4m3 with 64 exact-sink slots: 2 (K, V) x 64 x 2 layers x 2 heads x 8 x 4 bytes (float32)
+    # come out of the budget; FP8 pages cost 2 x 2 x 2 x 8 = 64 bytes per token.
+    caplog.clear()
+    runner.args = ServerArgs(mem_fraction_static=0.5, kv_cache_dtype="fp8_e4m3")
+    runner.num_fp8_pages, runner.sink_slots = None, 64
+    with caplog.at_level(logging.INFO, logger="radixlm.model_runner"):
+        pages = ModelRunner._size_pool(runner)
+    tokens = int((8 * 2**30 * 0.5 - 2 * 2**30 - 2 * 64 * 2 * 2 * 8 * 4) // 64)
+    assert pages == tokens // 16 + 1
+    assert f"KV pool capacity from --mem-fraction-static: {tokens} tokens x 64 bytes" in caplog.text
