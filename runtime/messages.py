@@ -148,6 +148,8 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     scheduler_decode_busy_seconds: float = 0.0  # cumulative: the part of it in steps that launched a decode pass
     kv_waste_tokens: int = 0  # KV slots held by running requests without a computed token
     page_size: int = 1  # tokens per KV page (to turn the page counts into tokens)
+    kv_sink_slots_total: int = 0  # FP8 pools' exact-sink slots (--kv-sink-slots; 0 without)
+    kv_sink_slots_used: int = 0  # slots claimed by a first token (never evicted)
 
 
 class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):

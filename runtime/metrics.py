@@ -69,6 +69,10 @@ class Metrics:
                               "KV slots held by running requests that hold no computed token "
                               "(partial last pages, pages grown ahead).")
         self.kv_waste_ratio = gauge("kv_cache_waste_ratio", "kv_cache_waste_tokens / KV slots in use.")
+        self.sink_total = gauge("kv_sink_slots_total", "Exact attention-sink slots of an FP8 KV pool "
+                                "(--kv-sink-slots; 0 without).")
+        self.sink_used = gauge("kv_sink_slots_used", "Exact attention-sink slots claimed by a first token; "
+                               "once all are, requests with a new first token read position 0 from FP8.")
 
     def observe_chunk(self, gen, chunk) -> None:
         """Count one SampleChunk of request ``gen`` (stateless: the start time is
@@ -103,4 +107,6 @@ class Metrics:
             self.kv_waste.set(stats.kv_waste_tokens)
             used_slots = stats.kv_used_pages * stats.page_size
             self.kv_waste_ratio.set(stats.kv_waste_tokens / used_slots if used_slots else 0.0)
+            self.sink_total.set(stats.kv_sink_slots_total)
+            self.sink_used.set(stats.kv_sink_slots_used)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

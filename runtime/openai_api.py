@@ -284,12 +284,14 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, generation: Generation
                     pending[k][c.index] = p = _Choice(c.index)
                 if c.finished:
                     yield chunk(_stream_choice(tm, body, p, bases[k], offsets[k], chat, _finish(c)))
-    except SchedulerDied as exc:
+    except SchedulerDied as exc:  # an error event, then [DONE] (as vLLM ends a failed stream)
         yield sse({"error": {"message": str(exc), "type": "server_error", "code": 503}})
+        yield SSE_DONE
         return
     except InvalidRequest as exc:
         yield sse({"error": {"message": exc.message, "type": "invalid_request_error", "param": exc.param,
                              "code": 400}})
+        yield SSE_DONE
         return
     if include_usage:
         yield sse({"id": rid, "object": obj, "created": created, "model": tm.model_name,

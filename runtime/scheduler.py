@@ -364,6 +364,8 @@ class Scheduler:
             scheduler_decode_busy_seconds=self.counters["decode_busy_s"],
             kv_waste_tokens=self.cache.waste_tokens(self.planner.running),
             page_size=self.args.page_size,
+            kv_sink_slots_total=self.runner.pool.sink_slots,
+            kv_sink_slots_used=self.runner.pool.sink_tokens,
         )
 
     def check_invariants(self) -> None:

@@ -461,10 +461,11 @@ def test_scheduler_death_fails_requests_and_exits(server_factory):
 
         status, events = results["stream"]
         assert results["stream_end"] - t_kill < SETTLE_S, f"stream ended {results['stream_end'] - t_kill:.1f}s after the kill"
-        if status == "ended":  # a clean end must carry an error event, not a normal finish
-            assert events and "[DONE]" not in events, events[-3:]
-            last = json.loads(events[-1])
+        if status == "ended":  # a clean end: an error event, then [DONE] (as vLLM and SGLang end a failed stream)
+            assert len(events) >= 2 and events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
+            last = json.loads(events[-2])
             assert "error" in last and last["error"]["code"] == 503, last
+            assert not any('"finish_reason":"' in e for e in events), "a failed stream reported a normal finish"
         code, text = results["plain"]
         assert results["plain_end"] - t_kill < SETTLE_S
         assert code is None or (code == 503 and "scheduler" in json.loads(text)["error"]["message"]), (code, text)

@@ -101,6 +101,14 @@ def test_server_keeps_the_first_tokens_kv_exact(smollm2_dir: str) -> None:
     for _ in range(4):
         sched._safe_step()
     assert pool.sink_lookup(9690) == 1 and float(pool.sink_k[0, 1].abs().sum()) > 0
+    # /metrics reports the slots: 64 (the default), 2 claimed (a's and e's first tokens).
+    from radixlm.runtime.metrics import Metrics
+
+    stats = sched.stats()
+    assert (stats.kv_sink_slots_total, stats.kv_sink_slots_used) == (64, 2)
+    text = Metrics("m").render(stats)[0].decode()
+    assert 'radixlm:kv_sink_slots_total{model_name="m"} 64.0' in text
+    assert 'radixlm:kv_sink_slots_used{model_name="m"} 2.0' in text
     # Without slots the same requests run on FP8 position 0 (and still agree with each other).
     outputs0, _, runner0 = _serve(smollm2_dir, "fp8_e4m3", "cpu", kv_sink_slots=0)
     assert not runner0.pool.has_sink and outputs0[1] == outputs0[2]

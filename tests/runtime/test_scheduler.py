@@ -26,7 +26,7 @@ class StubRunner:
     eos_token_ids = {EOS}
     context_length = 256
 
-    pool = SimpleNamespace(bytes_per_token=1024)
+    pool = SimpleNamespace(bytes_per_token=1024, sink_slots=0, sink_tokens=0)  # a float pool: no exact sink
 
     def __init__(self, next_token: int = 7, fail: bool = False) -> None:
         self.next_token, self.fail, self.calls = next_token, fail, 0
