@@ -471,7 +471,8 @@ class ModelRunner:
             chosen = logits[sample_rows[0] : sample_rows[0] + len(sample_rows)]  # a view: no index copy
         else:
             chosen = logits[to_device(torch.tensor(sample_rows), self.device)]
-        out = sample(chosen, sb, self.generator, top_k_logprobs=top_k, logits_mask=mask)
+        out = sample(chosen, sb, self.generator, top_k_logprobs=top_k, logits_mask=mask,
+                     want_logprobs=any(req.return_logprob for req in reqs))
         self._prev_ids[: len(picks)].copy_(out.next_ids)  # inputs of the next launch (overlap)
         self._prev_rows = {req: k for k, req in enumerate(reqs)}
         step.picks, step.sampled = [i for i, _ in picks], out
@@ -505,7 +506,8 @@ class PendingStep:
             start = time.perf_counter()
             self.ready.synchronize()
             self.wait_seconds = time.perf_counter() - start
-        next_ids, lps = out.next_ids.tolist(), out.logprobs.tolist()
+        next_ids = out.next_ids.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else [None] * len(next_ids)
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         for k, i in enumerate(self.picks):

@@ -233,7 +233,7 @@ class SampleResult:
     descending logprob."""
 
     next_ids: Tensor  # [B] int64
-    logprobs: Tensor  # [B] f32, log_softmax(raw logits)[b, next_ids[b]]
+    logprobs: Tensor | None  # [B] f32, log_softmax(raw logits)[b, next_ids[b]]; None if not asked for
     top_ids: Tensor | None = None  # [B, K] int64
     top_logprobs: Tensor | None = None  # [B, K] f32
 
@@ -244,18 +244,23 @@ def sample(
     generator_for_unseeded: torch.Generator | None = None,
     top_k_logprobs: int = 0,
     logits_mask: Callable[[Tensor], None] | None = None,
+    want_logprobs: bool = True,
 ) -> SampleResult:
     """Sample one token per row. ``logits``: [B, V] (computed in f32; not modified).
     ``logits_mask`` (structured generation) edits the penalised logits in place before
-    the choice; the returned logprobs stay the raw ones."""
+    the choice; the returned logprobs stay the raw ones. ``want_logprobs`` False (no row
+    returns logprobs, ``top_k_logprobs`` 0): the [B, V] log-softmax is skipped and
+    ``logprobs`` is None (the chosen ids do not depend on it)."""
     _check_inputs(logits, batch, top_k_logprobs)
     logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     processed = apply_penalties(logits, batch)
     if logits_mask is not None:
         processed = processed.clone() if processed is logits else processed
         logits_mask(processed)
     next_ids = _choose(processed, batch, generator_for_unseeded)
+    if not want_logprobs and top_k_logprobs == 0:
+        return SampleResult(next_ids, None)
+    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     result = SampleResult(next_ids, raw_logprobs.gather(1, next_ids[:, None]).squeeze(1))
     if top_k_logprobs == 0:
         return result

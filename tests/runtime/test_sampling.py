@@ -57,6 +57,25 @@ def test_greedy_equals_argmax():
     assert res.next_ids.dtype == torch.int64 and res.next_ids.shape == (8,)
 
 
+def test_without_logprobs_the_same_tokens_are_chosen_and_none_computed():
+    """want_logprobs=False (no row returns logprobs) skips the log-softmax: the same ids for
+    greedy, seeded and unseeded rows under penalties, and logprobs None; top-k logprobs
+    still come when asked for."""
+    logits = torch.randn(6, 60, generator=torch.Generator().manual_seed(11))
+    infos = [SamplingInfo(temperature=0.0), SamplingInfo(temperature=0.8, seed=5, step=2),
+             SamplingInfo(temperature=1.2, top_p=0.9), SamplingInfo(temperature=0.7, top_k=7, min_p=0.05),
+             SamplingInfo(temperature=1.0, repetition_penalty=1.3, output_ids=[3, 4, 4], prompt_ids=[1, 2]),
+             SamplingInfo(temperature=0.0, frequency_penalty=0.5, output_ids=[int(logits[5].argmax())])]
+    full = _sample(logits, infos, gen_seed=4)
+    lean = _sample(logits, infos, gen_seed=4, want_logprobs=False)
+    assert torch.equal(full.next_ids, lean.next_ids) and lean.logprobs is None
+    want = torch.log_softmax(logits, -1).gather(1, full.next_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(full.logprobs, want)
+    top = _sample(logits, infos, gen_seed=4, want_logprobs=False, top_k_logprobs=3)
+    assert torch.equal(top.next_ids, full.next_ids) and top.top_ids.shape == (6, 3)
+    torch.testing.assert_close(top.logprobs, want)
+
+
 def test_tiny_temperature_is_greedy():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
     res = _sample(logits, [SamplingInfo(temperature=1e-6)] * 4)
