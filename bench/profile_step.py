@@ -42,7 +42,7 @@ from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
 from offline_trace import timed  # noqa: E402
 
 from radixlm.runtime import messages as m  # noqa: E402
-from radixlm.runtime.cuda_graph_runner import CudaGraphRunner, PageTableRows, graph_batch_sizes  # noqa: E402
+from radixlm.runtime.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
 from radixlm.runtime.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
@@ -55,16 +55,9 @@ class HostOnlyGraphs(CudaGraphRunner):
 
     def __init__(self, runner: ModelRunner, hidden: torch.Tensor) -> None:  # no super(): nothing captured
         n, pages = runner.args.max_running_requests, -(-runner.context_length // runner.page_size)
-        self.pool, self.page_size = runner.pool, runner.page_size
-        self.batch_sizes = graph_batch_sizes(n)
-        self.max_bs, self.max_pages = n, pages
-        self.inputs = torch.zeros((6, n), dtype=torch.int64)
-        self.req_pages = torch.zeros((2 * n + 1, pages), dtype=torch.int32)
-        self.tables = PageTableRows(2 * n + 1)
-        self._staging, self._turn = [torch.zeros((6, n), dtype=torch.int64) for _ in range(2)], 0
+        self._buffers(runner.model, runner.pool, n, pages, runner._prev_ids, 0)
         self.graphs = {bs: type("NoGraph", (), {"replay": lambda self: None})() for bs in self.batch_sizes}
         self.outputs = {bs: hidden[:bs] for bs in self.batch_sizes}
-        self.extend_sizes = []
 
 
 def churn(sched: Scheduler, args: argparse.Namespace, vocab: int, rng: random.Random) -> None:

@@ -9,12 +9,18 @@ Dimension letters: Bg the bucket's batch size, B the real batch (B <= Bg), Pmax 
 table width (context length / page size), E hidden size.
 
     static inputs, one host-to-device copy per step (the first Bg columns used):
-      inputs [6, Bmax] int64 = input_ids, positions, out_slots, src_rows, table_rows,
-        sink slots (exact attention sink, -1 none)
-      req_pages [R, Pmax] int32: one page-table row per request, only changed ids copied
-    graph(Bg):  ids = where(input_ids >= 0, input_ids, prev_ids[src_rows])
+      inputs [9, Bmax] int64 = input_ids, positions, out_slots, src_rows, table_rows,
+        sink slots (exact attention sink, -1 none), and up to Bmax page-table writes
+        (row, column, page id; padding (0, 0, 0) rewrites the dummy row's dummy entry)
+      req_pages [R, Pmax] int32: one page-table row per request, only changed ids written
+    graph(Bg):  req_pages[write rows, write columns] = write page ids  (all Bmax columns)
+                ids = where(input_ids >= 0, input_ids, prev_ids[src_rows])
                 seq_lens = positions + 1;  page_table = req_pages[table_rows]
                 model.forward(batch of ids over the first Bg rows) -> hidden [Bg, E]
+
+A decode step's page-table writes (a request that grew a page: one each) ride in the same
+copy as the other inputs and are applied inside the graph; only a step with more than
+Bmax writes (a new or re-admitted request's whole row) copies the excess first, outside.
 
 ``prev_ids`` is the model runner's buffer of the previous step's sampled ids: an input of
 -1 is a token the host does not know yet (overlap scheduling), read there on the device.
@@ -63,7 +69,9 @@ import torch
 from radixlm.runtime.forward_batch import ForwardBatch, to_device
 from radixlm.runtime.memory_pool import KVPool
 
-__all__ = ["CudaGraphRunner", "PageTableRows", "graph_batch_sizes", "graph_extend_sizes"]
+__all__ = ["INPUT_ROWS", "CudaGraphRunner", "PageTableRows", "graph_batch_sizes", "graph_extend_sizes"]
+
+INPUT_ROWS = 9  # rows of a decode step's static inputs (module docstring)
 
 logger = logging.getLogger("radixlm.cuda_graph")
 
@@ -113,19 +121,27 @@ class CudaGraphRunner:
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_bs: int, max_pages: int,
                  prev_ids: torch.Tensor, max_extend_tokens: int = 0) -> None:
-        device = pool.device
-        if device.type != "cuda":
+        if pool.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
+        self._buffers(model, pool, max_bs, max_pages, prev_ids, max_extend_tokens)
+        self.capture_seconds = self._capture_all()
+
+    def _buffers(self, model: torch.nn.Module, pool: KVPool, max_bs: int, max_pages: int,
+                 prev_ids: torch.Tensor, max_extend_tokens: int) -> None:
+        """Every static buffer, on the pool's device (host staging pinned on CUDA); no
+        capture (bench/profile_step.py's host-only runner and the CPU tests stop here)."""
+        device = pool.device
+        pin = device.type == "cuda"
         self.model, self.pool, self.page_size = model, pool, pool.page_size
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs, self.max_pages = self.batch_sizes[-1], max_pages
         n = self.max_bs
-        # Host inputs of a step, one [6, Bmax] int64 copy: ids (-1: in flight), positions,
+        # Host inputs of a step, one [9, Bmax] int64 copy: ids (-1: in flight), positions,
         # KV slots, rows of prev_ids for the -1 ids, rows of the device page table, exact
-        # sink slots (-1 none; pools with sink slots).
-        self.inputs = torch.zeros((6, n), dtype=torch.int64, device=device)
+        # sink slots (-1 none; pools with sink slots), page-table writes (row, column, id).
+        self.inputs = torch.zeros((INPUT_ROWS, n), dtype=torch.int64, device=device)
         (self.input_ids, self.positions, self.out_slots, self.src_rows, self.table_rows,
-         self.sink_rows) = self.inputs.unbind(0)
+         self.sink_rows, self.write_rows, self.write_cols, self.write_pages) = self.inputs.unbind(0)
         self.prev_ids = prev_ids
         # Derived on the device inside the graph.
         self.resolved_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -141,7 +157,7 @@ class CudaGraphRunner:
         self.tables = PageTableRows(self.num_table_rows)
         # Pinned staging in two sets used in turn: a replay's copy may still be pending when
         # the host stages the next one (overlap), never when it stages the one after.
-        self._staging = [torch.zeros((6, n), dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._staging = [torch.zeros((INPUT_ROWS, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -154,11 +170,10 @@ class CudaGraphRunner:
         self.ext_row = torch.zeros(1, dtype=torch.int64, device=device)
         self.ext_table = torch.zeros((1, max_pages), dtype=torch.int32, device=device)
         self.ext_sink = torch.full((1,), -1, dtype=torch.int32, device=device)
-        self._ext_staging = [torch.zeros((4, t), dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._ext_staging = [torch.zeros((4, t), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._ext_turn = 0
         self.ext_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.ext_outputs: dict[int, torch.Tensor] = {}
-        self.capture_seconds = self._capture_all()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         """A ForwardBatch view over the first ``bs`` static rows, with host lengths set to
@@ -226,7 +241,12 @@ class CudaGraphRunner:
                     len(self.graphs) + len(self.ext_graphs), self.batch_sizes, self.extend_sizes, seconds)
         return seconds
 
+    def _write_pages(self) -> None:
+        """Apply the page-table writes ``replay`` staged (the first op of a decode graph)."""
+        self.req_pages[self.write_rows, self.write_cols] = self.write_pages.to(torch.int32)
+
     def _forward(self, bs: int, batch: ForwardBatch) -> torch.Tensor:
+        self._write_pages()
         ids = self.input_ids[:bs]
         self.resolved_ids[:bs] = torch.where(ids >= 0, ids, self.prev_ids[self.src_rows[:bs]])
         self.seq_lens[:bs] = self.positions[:bs] + 1
@@ -273,12 +293,16 @@ class CudaGraphRunner:
             if len(table) > max_pages:
                 raise ValueError(f"page table of {len(table)} pages exceeds the captured width {max_pages}")
             slots.append(table[page] * size + pos % size)
-        rows = self._sync_tables(keys if keys is not None else [object() for _ in range(b)], page_tables)
+        rows, writes = self._sync_tables(keys if keys is not None else [object() for _ in range(b)], page_tables,
+                                         in_graph=self.max_bs)
         staging = self._staging[self._turn]
         self._turn ^= 1
         host = staging.numpy()
-        host[:, b:bs] = 0  # padding rows: token 0, position 0, dummy slot 0, dummy table row 0
+        host[:6, b:bs] = 0  # padding rows: token 0, position 0, dummy slot 0, dummy table row 0
         host[5, b:bs] = -1  # ... and no sink slot
+        host[6:] = 0  # unused page-table writes: dummy row 0, column 0, page 0
+        if writes:
+            host[6:, : len(writes)] = list(zip(*writes, strict=True))
         host[0, :b] = input_ids
         host[1, :b] = positions
         host[2, :b] = slots
@@ -317,7 +341,7 @@ class CudaGraphRunner:
             raise ValueError(f"page table of {len(pages)} pages does not reach position {end - 1}")
         if len(pages) > self.max_pages:
             raise ValueError(f"page table of {len(pages)} pages exceeds the captured width {self.max_pages}")
-        row = self._sync_tables([key if key is not None else object()], [pages])[0]
+        row = self._sync_tables([key if key is not None else object()], [pages])[0][0]
         staging = self._ext_staging[self._ext_turn]
         self._ext_turn ^= 1
         host = staging.numpy()
@@ -330,13 +354,17 @@ class CudaGraphRunner:
         self.ext_graphs[tg].replay()
         return self.ext_outputs[tg]
 
-    def _sync_tables(self, keys: list[Hashable], page_tables: list[list[int]]) -> list[int]:
-        """Device page-table row of each request, after copying the changed page ids."""
+    def _sync_tables(self, keys: list[Hashable], page_tables: list[list[int]], in_graph: int = 0
+                     ) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Device page-table row of each request, and the last (up to ``in_graph``) of the
+        (row, column, page id) writes that bring the rows up to date, left for the graph
+        to apply; the others are written now (queued on the stream before the replay)."""
         rows, updates = self.tables.sync(keys, page_tables)
-        if updates:
-            u = to_device(torch.tensor(updates, dtype=torch.int64), self.req_pages.device)
+        now = len(updates) - in_graph
+        if now > 0:
+            u = to_device(torch.tensor(updates[:now], dtype=torch.int64), self.req_pages.device)
             self.req_pages[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
-        return rows
+        return rows, updates[max(now, 0):]
 
 
 class PageTableRows:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from radixlm.runtime.cuda_graph_runner import (
+    INPUT_ROWS,
     CudaGraphRunner,
     PageTableRows,
     graph_batch_sizes,
@@ -54,6 +55,44 @@ def test_page_table_rows_copy_only_what_changed() -> None:
     assert rows.sync([a], [[4]]) == ([1], [(1, 0, 4)])  # a comes back: written from scratch
     with pytest.raises(ValueError, match="rows"):
         rows.sync([a, b, c, d], [[1], [2], [3], [4]])
+
+
+def test_decode_page_table_writes_ride_with_the_step_inputs() -> None:
+    """A decode replay stages its page-table writes in the inputs copy (rows 6-8), which the
+    graph applies first (``_write_pages``); only writes beyond Bmax are written before the
+    replay. Host side on the CPU: buffers without capture, a stand-in graph doing the
+    graph's first op; every request's device row must end equal to its page table."""
+    pool = KVPool(64, 4, 1, 1, 8, torch.float32, "cpu")
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)
+    runner._buffers(None, pool, max_bs=4, max_pages=8, prev_ids=torch.zeros(4, dtype=torch.int64),
+                    max_extend_tokens=0)
+    assert runner.inputs.shape == (INPUT_ROWS, 4)
+    replays: list[int] = []
+
+    class Graph:
+        def replay(self) -> None:
+            replays.append(int(runner.write_rows.count_nonzero()))
+            runner._write_pages()
+
+    runner.graphs = {bs: Graph() for bs in runner.batch_sizes}
+    runner.outputs = {bs: torch.zeros(bs, 8) for bs in runner.batch_sizes}
+
+    def step(keys: list[str], tables: list[list[int]]) -> None:
+        positions = [len(t) * 4 - 1 for t in tables]  # the last slot of each table
+        runner.replay([1] * len(keys), positions, tables, keys=keys)  # inputs copied, then the graph
+        for key, table in zip(keys, tables, strict=True):
+            row = runner.tables._row_of[key]
+            assert runner.req_pages[row, : len(table)].tolist() == table, (key, table)
+
+    # Two new requests: 2 + 3 = 5 writes > Bmax 4, so the first one goes before the replay.
+    step(["a", "b"], [[5, 6], [7, 8, 9]])
+    assert replays == [4]
+    step(["a", "b"], [[5, 6, 11], [7, 8, 9]])  # a grew one page: one write, in the graph
+    assert replays == [4, 1]
+    step(["a", "b"], [[5, 6, 11], [7, 8, 9]])  # nothing changed: only padding writes
+    assert replays == [4, 1, 0]
+    # Padding writes land on the dummy row 0, entry 0, which stays page 0.
+    assert runner.req_pages[0].tolist() == [0] * 8
 
 
 def _claim_sinks(pool: KVPool, prompts: list[list[int]]) -> tuple[list[int] | None, list[tuple[int, int]] | None]:
