@@ -35,7 +35,11 @@ from bench_kernels import Timer, rel_err  # noqa: E402
 from kv_speed_gpu import HEAD_DIM, HEADS, KB, KV_HEADS, PAGE, fp8_sink, page_table  # noqa: E402
 
 from radixlm.kernels import reference  # noqa: E402
-from radixlm.kernels.decode_attention import decode_attention, decode_num_splits, default_decode_config  # noqa: E402
+from radixlm.kernels.decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_num_splits,
+    default_decode_config,
+)
 from radixlm.kernels.extend_attention import extend_attention  # noqa: E402
 from radixlm.kernels.store_kv import store_kv  # noqa: E402
 
