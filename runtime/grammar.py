@@ -149,6 +149,16 @@ class GrammarCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def allows_a_token(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+    """Whether the grammar in ``matcher``'s current state allows any of the ``vocab_size``
+    token ids next. False: a dead end no token sequence can get past (e.g. a regex that
+    needs a character no token's bytes spell); the mask then leaves every logit at -inf."""
+    bits = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bits, 0)
+    flags = (bits[0].to(torch.int64)[:, None] >> torch.arange(32)) & 1  # [W, 32], token 32 w + b
+    return bool(flags.flatten()[:vocab_size].any())
+
+
 class GrammarMasker:
     """Applies the grammars' next-token masks to a step's logits, with bitmask buffers
     reused from step to step: [rows, ceil(V / 32)] int32, one bit per token (xgrammar's

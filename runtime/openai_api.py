@@ -20,6 +20,11 @@ Policies (documented in the README):
   tokens. Prompt logprobs are computed, not read from the radix cache. A streamed choice
   carries the echo in its first chunk. ``text_offset`` counts the characters of the
   tokens' strings (as vLLM does), streamed or not.
+- A sample the server aborts with a reason (a stop_regex search that timed out, a grammar
+  that failed to compile, an internal error): without streaming the response is that
+  error (HTTP 400, or 500 for an internal error); streamed, the choice's last chunk
+  (``finish_reason`` "abort", as vLLM reports aborts) is followed by an error event, and
+  the stream still ends with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from radixlm.runtime.http_server import (
     SSE_DONE,
     HeldStream,
     collect_until_disconnect,
+    error_response,
     sse,
 )
 from radixlm.runtime.metrics import Metrics
@@ -66,6 +72,27 @@ def _model_names(tm: TokenizerManager) -> set[str]:
 
 def _finish(c: SampleChunk) -> str:
     return "stop" if c.finish_reason == "stop" else "length" if c.finish_reason == "length" else "abort"
+
+
+def _abort_error(c: SampleChunk | None) -> dict[str, Any] | None:
+    """The OpenAI error body of a sample the server aborted with a reason, else None: an
+    internal error is a 500 ``server_error``, the others (stop_regex timeout, grammar
+    failed to compile) the request's fault, a 400 ``invalid_request_error``."""
+    if c is None or c.finish_reason != "abort" or not c.error:
+        return None
+    internal = c.error.startswith("internal error")
+    return {"message": c.error, "type": "server_error" if internal else "invalid_request_error",
+            "param": None, "code": 500 if internal else 400}
+
+
+def _failed(choices: list[_Choice]) -> JSONResponse | None:
+    """The error response of a non-streamed request one of whose samples was aborted with
+    a reason (``_abort_error``), else None."""
+    for ch in choices:
+        err = _abort_error(ch.last)
+        if err is not None:
+            return error_response(err["code"], err["message"], err_type=err["type"])
+    return None
 
 
 class _Choice:
@@ -203,6 +230,8 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
         if done is None:
             return Response(status_code=CLIENT_CLOSED)
         choices, usage = done
+        if (failed := _failed(choices)) is not None:
+            return failed
         out = []
         for ch in choices:
             lp = (_completion_logprobs(tm, ch.ids, ch.logprobs, ch.top if body.logprobs else [], 0)[0]
@@ -223,6 +252,8 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
         if done is None:
             return Response(status_code=CLIENT_CLOSED)
         choices, usage = done
+        if (failed := _failed(choices)) is not None:
+            return failed
         out = []
         for ch in choices:
             lp = _chat_logprobs(tm, ch.ids, ch.logprobs, ch.top) if body.logprobs else None
@@ -284,6 +315,8 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, generation: Generation
                     pending[k][c.index] = p = _Choice(c.index)
                 if c.finished:
                     yield chunk(_stream_choice(tm, body, p, bases[k], offsets[k], chat, _finish(c)))
+                    if (err := _abort_error(c)) is not None:  # aborted with a reason: say why
+                        yield sse({"error": err})
     except SchedulerDied as exc:  # an error event, then [DONE] (as vLLM ends a failed stream)
         yield sse({"error": {"message": str(exc), "type": "server_error", "code": 503}})
         yield SSE_DONE

@@ -26,7 +26,7 @@ import zmq
 
 from radixlm.radix import RadixTree
 from radixlm.runtime import messages as m
-from radixlm.runtime.grammar import GrammarCache, grammar_of
+from radixlm.runtime.grammar import GrammarCache, allows_a_token, grammar_of
 from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.memory_pool import PageAllocator
 from radixlm.runtime.model_runner import ItemResult, ModelRunner, PendingStep
@@ -301,7 +301,12 @@ class Scheduler:
             token, accepted = (req.grammar_ahead.pop(0) if req.grammar_ahead
                                else (res.next_id, req.grammar.accept_token(res.next_id)))
             if token != res.next_id or not accepted:
-                req.finish("abort", error=f"internal error: token {res.next_id} rejected by the request's grammar")
+                if token == res.next_id and not allows_a_token(req.grammar, self.grammars.vocab_size):
+                    req.finish("abort", error="the request's grammar allows no token of the model's vocabulary "
+                                              f"after {len(req.output_ids) - 1} generated tokens (it needs text "
+                                              "that no sequence of tokens spells)")
+                else:
+                    req.finish("abort", error=f"internal error: token {res.next_id} rejected by the request's grammar")
                 return
         verdict = self.stop_checker.check(req)
         if verdict is not None:

@@ -129,6 +129,33 @@ def test_stop_regex_stops_and_cuts_like_a_stop_string(server, tokenizer, idle_in
     idle_invariants(server)
 
 
+def test_a_server_abort_with_a_reason_is_an_openai_error(server, idle_invariants):
+    """A stop_regex with catastrophic backtracking over a forced run of 'a's times out in the
+    scheduler, which aborts the sample with a reason: without streaming the OpenAI routes
+    answer that error (400), streamed the last chunk (finish_reason "abort") is followed by
+    an error event, then [DONE]."""
+    body = {"model": MODEL, "prompt": "Say a:", "max_tokens": 60, "temperature": 0, "regex": "a{60}",
+            "stop_regex": "(a|aa)+b"}
+    chat = {**{k: v for k, v in body.items() if k != "prompt"}, "messages": [{"role": "user", "content": "Say a"}]}
+    with server.client() as c:
+        for path, b in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            r = c.post(path, json=b)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert "stop_regex search took over" in err["message"] and err["type"] == "invalid_request_error"
+            events = _events(c, path, b)
+            finishes = [ch["finish_reason"] for e in events[:-1] for ch in e.get("choices", [])]
+            assert finishes[-1] == "abort" and finishes.count("abort") == 1, finishes
+            assert "stop_regex search took over" in events[-1]["error"]["message"], events[-1]
+            assert events[-1]["error"]["code"] == 400
+        # A grammar no token can follow (U+40000: no token of SmolLM2 spells its bytes) is the
+        # request's fault too, not an internal error (found by the schemathesis fuzz test).
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "0", "regex": "\U00040000", "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        assert "grammar allows no token of the model's vocabulary after 0 generated tokens" in r.json()["error"]["message"]
+    idle_invariants(server)
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/generate", {"text": "x", "sampling_params": {"stop_regex": ["ok", "(unclosed"]}},
      "sampling_params.stop_regex"),
