@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import kv_speed_gpu  # noqa: E402
 from bench_kernels import Timer, rel_err  # noqa: E402
 from kv_speed_gpu import HEAD_DIM, HEADS, KB, KV_HEADS, PAGE, fp8_sink, page_table  # noqa: E402
 
-from radixlm.kernels import reference  # noqa: E402
 from radixlm.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     decode_num_splits,
@@ -43,7 +43,6 @@ from radixlm.kernels.decode_attention import (  # noqa: E402
 from radixlm.kernels.extend_attention import extend_attention  # noqa: E402
 from radixlm.kernels.store_kv import store_kv  # noqa: E402
 
-FP8 = torch.float8_e4m3fn
 DECODE_SHAPES = [(32, 32 * KB), (128, 8 * KB), (32, 8 * KB), (8, 8 * KB), (1, 2 * KB)]
 # (pool, DecodeConfig fields replacing the default's); FP8 defaults: 64 keys / 2 warps / 3
 # stages below batch 32, 32 keys / 1 warp / 3 stages / 8 programs per SM from 32.
@@ -64,19 +63,10 @@ def head_major(x: torch.Tensor) -> torch.Tensor:
 
 
 def make_pools(num_tokens: int, device, gen) -> tuple[dict, int]:
-    """{(layout, dtype): (k, v, k_scale, v_scale)} over the same random values."""
-    pages = -(-num_tokens // PAGE) + 1
-    shape = (pages, PAGE, KV_HEADS, HEAD_DIM)
-    k = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
-    k[..., :4] *= 8  # outlier channels, as real keys have
-    v = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
-    ks = k.float().abs().amax(dim=(0, 1, 3)) * 2 / 448
-    vs = v.float().abs().amax(dim=(0, 1, 3)) * 2 / 448
-    k8, v8 = torch.empty(shape, device=device, dtype=FP8), torch.empty(shape, device=device, dtype=FP8)
-    for i in range(0, pages, 4096):
-        k8[i : i + 4096] = reference.quantize_fp8(k[i : i + 4096], ks)
-        v8[i : i + 4096] = reference.quantize_fp8(v[i : i + 4096], vs)
-    pools = {("token", "bf16"): (k, v, None, None), ("token", "fp8"): (k8, v8, ks, vs)}
+    """{(layout, dtype): (k, v, k_scale, v_scale)} over the same random values
+    (``kv_speed_gpu.make_pools``' bf16 and FP8 pools, and their head-major copies)."""
+    speed_pools, pages = kv_speed_gpu.make_pools(num_tokens, device, gen)
+    pools = {("token", "bf16"): speed_pools["base"][:4], ("token", "fp8"): speed_pools["fp8_e4m3"][:4]}
     for dt in ("bf16", "fp8"):
         a, b, s1, s2 = pools[("token", dt)]
         pools[("head", dt)] = (head_major(a), head_major(b), s1, s2)

@@ -293,7 +293,7 @@ class ModelRunner:
         step = PendingStep(items, [ItemResult() for _ in items])
         if scoring:
             self._prompt_logprobs(items, rows, logits, step.results)
-        self._sample(items, rows, logits, step)
+        self._sample(items, rows, logits, step, scoring)
         self._last_launch = step
         return step
 
@@ -454,7 +454,10 @@ class ModelRunner:
             if req.top_logprobs_num:
                 res.prompt_top_logprobs = [None] * len(lead) + _top(lps, req.top_logprobs_num)
 
-    def _sample(self, items: list[ScheduleItem], rows, logits: torch.Tensor, step: PendingStep) -> None:
+    def _sample(self, items: list[ScheduleItem], rows, logits: torch.Tensor, step: PendingStep,
+                want_logprobs: bool) -> None:
+        """Sample every item's row; ``want_logprobs``: some item returns logprobs (else
+        the sampled tokens' logprobs are not computed)."""
         picks = [(i, r) for i, (_, r) in enumerate(rows) if r is not None]
         if not picks:
             return
@@ -472,7 +475,7 @@ class ModelRunner:
         else:
             chosen = logits[to_device(torch.tensor(sample_rows), self.device)]
         out = sample(chosen, sb, self.generator, top_k_logprobs=top_k, logits_mask=mask,
-                     want_logprobs=any(req.return_logprob for req in reqs))
+                     want_logprobs=want_logprobs)
         self._prev_ids[: len(picks)].copy_(out.next_ids)  # inputs of the next launch (overlap)
         self._prev_rows = {req: k for k, req in enumerate(reqs)}
         step.picks, step.sampled = [i for i, _ in picks], out
