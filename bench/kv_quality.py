@@ -23,7 +23,8 @@ their FP8 slots and demote pages after every pass as the server does
 ``fp8_e4m3:uncentred``) runs that dtype without the channel means (the calibration before
 them: values stored uncentred, scales from their absmax), ``fp8_e4m3:nosink`` without the
 exact attention sink (``--kv-sink-slots 0``; fp8_e4m3 keeps the server's default of 64
-slots), for an A/B in one run; flags combine with ``+`` (``fp8_e4m3:uncentred+nosink``).
+slots), ``NAME:norot`` with keys stored unrotated (calibrated with ``rotate=False``), for
+an A/B in one run; flags combine with ``+`` (``fp8_e4m3:uncentred+nosink``).
 Usage::
 
     .venv/bin/python bench/kv_quality.py --tokens 50000 --out bench/kv_results/cpu.json
@@ -107,20 +108,22 @@ class Runner:
         )
         ids = self.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"]
         self.scales = {
-            center: calibrate_kv_scales(self.model, ids, page_size, self.device, self.dtype, center=center)
-            for center in (True, False)
-        }
+            (center, rotate): calibrate_kv_scales(self.model, ids, page_size, self.device, self.dtype,
+                                                  center=center, rotate=rotate)
+            for center in (True, False) for rotate in (True, False)
+        }  # fmt: skip
 
     def pool(self, name: str) -> KVPool:
         """A pool of KV dtype ``name`` (``NAME:uncentred``: FP8 slots without channel means;
-        ``NAME:nosink``: no exact attention sink; ``+`` joins flags)."""
+        ``NAME:nosink``: no exact attention sink; ``NAME:norot``: keys not rotated; ``+``
+        joins flags)."""
         layers, heads, head_dim = self.shape
         kv_dtype, _, variant = name.partition(":")
         flags = set(variant.split("+")) - {""}
-        if not flags <= {"uncentred", "nosink"}:
-            raise SystemExit(f"unknown dtype variant {name!r} (NAME:uncentred, NAME:nosink, joined by +)")
-        scales = (self.scales["uncentred" not in flags] if kv_dtype in ("fp8_e4m3", "int4", "mixed")
-                  else (None, None))  # fmt: skip
+        if not flags <= {"uncentred", "nosink", "norot"}:
+            raise SystemExit(f"unknown dtype variant {name!r} (NAME:uncentred, NAME:nosink, NAME:norot, joined by +)")
+        scales = (self.scales["uncentred" not in flags, "norot" not in flags]
+                  if kv_dtype in ("fp8_e4m3", "int4", "mixed") else (None, None))  # fmt: skip
         sink = DEFAULT_KV_SINK_SLOTS if "nosink" not in flags else 0
         return KVPool(self.num_pages, self.page_size, layers, heads, head_dim, self.dtype, self.device,
                       kv_dtype, *scales, window_pages=self.window_pages, sink_slots=sink)  # fmt: skip
@@ -251,7 +254,8 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3",
-                    help="any of bf16, fp16, fp8_e4m3, int4, mixed; NAME:uncentred without channel means, fp8_e4m3:nosink without the exact sink")
+                    help="any of bf16, fp16, fp8_e4m3, int4, mixed; NAME:uncentred without channel means, "
+                         "fp8_e4m3:nosink without the exact sink, NAME:norot keys unrotated")
     ap.add_argument("--kv-mixed-window-pages", type=int, default=2, help="mixed: FP8 window (pages)")
     ap.add_argument("--base", default="bf16", help="the dtype deltas are measured against")
     ap.add_argument("--tokens", type=int, default=50000)

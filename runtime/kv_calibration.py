@@ -19,10 +19,16 @@ per layer and kv head and one float32 mean per layer, kv head and channel, for K
   cancels, so the kernels read centred keys as they are; for V, the weights sum to one, so
   the output is ``attn(v - m) + m`` and the backends add ``m`` back (``KVPool.v_mean``).
   Measured on SmolLM2 (BENCHMARKS.md): perplexity +0.97% -> -0.29% against a float cache.
+* Key rotation (``KVPool`` doc, "Key rotation"): with ``rotate=True`` (the default) and a
+  power-of-two head dim, keys are stored as ``k @ R`` (R the +-1 randomized Hadamard
+  matrix, ``memory_pool.key_rotation``), so their means and scales are measured on the
+  rotated keys and ``KVScales.k_rotation`` is "hadamard". Measured on SmolLM2
+  (BENCHMARKS.md): mean |delta logprob| against a float cache -25%.
 * ``save_kv_scales`` / ``load_kv_scales``: JSON ``{"format": "radixlm-kv-scales-v2",
   "num_layers": L, "num_kv_heads": K, "head_dim": D, "k_scale": [[...] x L], "v_scale":
-  [[...] x L], "k_mean": [[[...] x K] x L], "v_mean": ...}``. v1 files (scales only, no
-  means) still load: their pools store uncentred values, as before.
+  [[...] x L], "k_mean": [[[...] x K] x L], "v_mean": ..., "k_rotation": "hadamard"}``.
+  v1 files (scales only, no means) still load: their pools store uncentred values, as
+  before; files without ``k_rotation`` (written before it existed) store keys unrotated.
 
 Any scale that is missing, non-finite or <= 0 is an error (``KVScalesError``): the server
 refuses to start rather than quantise with a made-up scale.
@@ -39,7 +45,7 @@ import torch
 
 from radixlm.kernels.reference import FP8_E4M3_MAX
 from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.memory_pool import KVPool
+from radixlm.runtime.memory_pool import KV_ROTATIONS, KVPool, key_rotation
 
 __all__ = [
     "CALIBRATION_TEXT",
@@ -64,13 +70,15 @@ class KVScales(NamedTuple):
     """What an FP8 KV pool quantises with (unpacks into ``KVPool``'s arguments).
 
     k_scale, v_scale: [L, K] float32, > 0. k_mean, v_mean: [L, K, D] float32 channel means
-    subtracted before quantising, or None (values stored uncentred).
+    subtracted before quantising, or None (values stored uncentred). k_rotation: the key
+    rotation the K statistics were measured in ("hadamard") or None (keys unrotated).
     """
 
     k_scale: torch.Tensor
     v_scale: torch.Tensor
     k_mean: torch.Tensor | None = None
     v_mean: torch.Tensor | None = None
+    k_rotation: str | None = None
 
 
 @torch.inference_mode()
@@ -82,11 +90,14 @@ def calibrate_kv_scales(
     dtype: torch.dtype,
     margin: float = 2.0,
     center: bool = True,
+    rotate: bool = True,
 ) -> KVScales:
     """Run ``token_ids`` as one prefill through ``model`` (a ``LlamaForCausalLM``) with a
     float pool of ``dtype`` and return its ``KVScales`` (float32, on the CPU): the channel
     means [L, K, D] of the stored keys / values over the tokens (None with
     ``center=False``) and ``margin * absmax(x - mean) / 448`` [L, K] per layer and kv head.
+    With ``rotate`` and a power-of-two head dim the key statistics are those of the
+    rotated keys ``k @ key_rotation(D)`` and ``k_rotation`` is "hadamard" (None otherwise).
 
     Raises KVScalesError when the text is empty or a head's absmax is 0 or not finite.
     """
@@ -101,13 +112,16 @@ def calibrate_kv_scales(
     batch = ForwardBatch.build([token_ids], [0], [pages], [len(token_ids) - 1], page_size, device)
     model.forward(batch, pool)
     n = len(token_ids)
+    rotation = key_rotation(head_dim) if rotate else None
 
-    def stats(pages_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [P, S, K, D]
+    def stats(pages_kv: torch.Tensor, rotation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = pages_kv[1:].reshape(-1, num_kv_heads, head_dim)[:n].double()  # [n, K, D]
+        if rotation is not None:
+            tokens = tokens @ rotation.to(tokens)
         mean = tokens.mean(dim=0) if center else torch.zeros_like(tokens[0])  # [K, D]
         return mean.float().cpu(), (tokens - mean).abs().amax(dim=(0, 2)).float().cpu()
 
-    k_stats = [stats(pool.k[layer]) for layer in range(num_layers)]
+    k_stats = [stats(pool.k[layer], rotation) for layer in range(num_layers)]
     v_stats = [stats(pool.v[layer]) for layer in range(num_layers)]
     k_amax = torch.stack([a for _, a in k_stats])  # [L, K]
     v_amax = torch.stack([a for _, a in v_stats])
@@ -124,6 +138,7 @@ def calibrate_kv_scales(
         v_amax * margin / FP8_E4M3_MAX,
         torch.stack([m for m, _ in k_stats]) if center else None,
         torch.stack([m for m, _ in v_stats]) if center else None,
+        KV_ROTATIONS[0] if rotation is not None else None,
     )
 
 
@@ -141,6 +156,8 @@ def save_kv_scales(path: str | Path, scales: KVScales) -> None:
     for key, mean in (("k_mean", scales.k_mean), ("v_mean", scales.v_mean)):
         if mean is not None:
             doc[key] = mean.tolist()
+    if scales.k_rotation is not None:
+        doc["k_rotation"] = scales.k_rotation
     Path(path).write_text(json.dumps(doc))
 
 
@@ -152,8 +169,8 @@ def load_kv_scales(
 
     Raises KVScalesError naming the problem: unreadable file, not this format, a shape
     other than the model's (layers, kv heads, head dim), a scale that is not a finite
-    number >= float32's smallest normal, a mean that is not a finite number, or only one
-    of k_mean / v_mean.
+    number >= float32's smallest normal, a mean that is not a finite number, only one
+    of k_mean / v_mean, or an unknown k_rotation (or one the head dim does not allow).
     """
     try:
         doc = json.loads(Path(path).read_text())
@@ -185,7 +202,14 @@ def load_kv_scales(
         missing = "v_mean" if "k_mean" in doc else "k_mean"
         raise KVScalesError(f"--kv-scales-path {path}: {missing} is missing (channel means come in pairs)")
     means = [_load_mean(path, doc, key, num_layers, num_kv_heads, head_dim) for key in ("k_mean", "v_mean")]
-    return KVScales(out[0], out[1], *means)
+    rotation = doc.get("k_rotation")
+    if rotation is not None and rotation not in KV_ROTATIONS:
+        raise KVScalesError(f"--kv-scales-path {path}: k_rotation must be one of {KV_ROTATIONS} or absent, "
+                            f"got {rotation!r}")
+    if rotation is not None and head_dim is not None and key_rotation(head_dim) is None:
+        raise KVScalesError(f"--kv-scales-path {path}: k_rotation {rotation!r} needs a power-of-two head dim, "
+                            f"the model's is {head_dim}")
+    return KVScales(out[0], out[1], *means, rotation)
 
 
 def _is_number(v: Any) -> bool:

@@ -50,10 +50,24 @@ slots are taken, later first tokens read their FP8 page as before. The kernels s
 online softmax of the split holding key 0 from the slot and mask key 0 in the tiles.
 Source: KVQuant (Hooper et al., 2024) and IntactKV (Liu et al., 2024) keep the first
 tokens' K/V in full precision.
+
+Key rotation (quantised pools, ``k_rotation="hadamard"``, what calibration picks when D is
+a power of two): after RoPE the model multiplies every key by R and every query by R / D
+(``rotate_qk``), R = diag(signs) H_D the +-1 randomized Hadamard matrix
+(``key_rotation``; R R^T = D I), so q . k is unchanged while each stored key channel
+becomes a +-1 mix of all D channels. RoPE leaves a few channels of a head far larger than
+the rest, and a float format's rounding error is relative to the element, so the score
+error sum_i q_i k_i e_i is dominated by those channels; rotated, the energy is spread
+evenly. Pages, channel means, scales and sink slots are all in the rotated space; values
+are not rotated (their error averages out over the softmax weights; measured: no gain).
+Entries +-1 and 1/D (D a power of two) are exact in bf16, so the product is orthogonal up
+to the rounding of q R / D and k R themselves. Source: QuaRot (Ashkboos et al., 2024)
+rotates keys after RoPE with an online Hadamard transform.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 
 import torch
@@ -65,10 +79,12 @@ __all__ = [
     "INT4_VALUE_GROUP",
     "KV_CACHE_DTYPES",
     "KVPool",
+    "KV_ROTATIONS",
     "PageAllocator",
     "PassWrite",
     "kv_bytes_per_token",
     "kv_page_bytes",
+    "key_rotation",
     "kv_storage_dtype",
     "tiered_fp8_pages",
 ]
@@ -79,6 +95,22 @@ DEFAULT_KV_SINK_SLOTS = 64  # fp8_e4m3: exact attention sink slots (distinct fir
 INT4_VALUE_GROUP = 64  # values: one scale + zero-point per 64 channels of a token (min with D)
 PassWrite = tuple[Sequence[int], int, int]  # (page table row, first position, tokens) of one request
 _FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KV_ROTATIONS = ("hadamard",)  # key rotations of quantised pools (module doc; None: keys as they are)
+
+
+def key_rotation(head_dim: int) -> torch.Tensor | None:
+    """R [D, D] float32 with entries +-1: ``diag(signs) @ H_D``, H_D Sylvester's Hadamard
+    matrix and signs[i] fixed by ``random.Random(0)`` (the same matrix on every machine and
+    Python version), so ``R @ R.T == D * I``. None when ``head_dim`` is not a power of two
+    (Sylvester's construction needs one). Source: QuaRot (Ashkboos et al., 2024)."""
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        return None
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_dim:
+        h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)), dim=0)
+    rng = random.Random(0)
+    signs = torch.tensor([1.0 if rng.random() < 0.5 else -1.0 for _ in range(head_dim)])
+    return signs[:, None] * h
 
 
 class PageAllocator:
@@ -217,8 +249,11 @@ class KVPool:
     ``radixlm.runtime.kv_calibration``); ``k_scale[layer]``/``v_scale[layer]`` are then the
     [K] rows on the pool's device (None for float pools). ``k_means``/``v_means`` [L, K, D]
     float32 (optional, both or neither) are the channel means stored values are centred
-    on; ``k_mean[layer]``/``v_mean[layer]`` the [K, D] rows (None without). Raises
-    ValueError on missing or unusable scales or means.
+    on; ``k_mean[layer]``/``v_mean[layer]`` the [K, D] rows (None without).
+    ``k_rotation`` ("hadamard" or None; quantised pools only, D a power of two) is the key
+    rotation the scales and means were calibrated in: the model then calls ``rotate_qk``
+    after RoPE (module doc). Raises ValueError on missing or unusable scales, means or
+    rotation.
 
     Tiered pools (``int4``, ``mixed``; module doc) take the same FP8 scales for their FP8
     slots, ``num_fp8_pages`` F slots (default ``num_pages``: every page may stay FP8) and,
@@ -242,6 +277,7 @@ class KVPool:
         v_scales: torch.Tensor | None = None,
         k_means: torch.Tensor | None = None,
         v_means: torch.Tensor | None = None,
+        k_rotation: str | None = None,
         num_fp8_pages: int | None = None,
         window_pages: int = 2,
         sink_slots: int = 0,
@@ -271,6 +307,17 @@ class KVPool:
             _check_means(k_means, v_means, self.quantised, (num_layers, num_kv_heads, head_dim))
             self.k_mean = [m.contiguous() for m in k_means.to(self.device, torch.float32).unbind(0)]
             self.v_mean = [m.contiguous() for m in v_means.to(self.device, torch.float32).unbind(0)]
+        self.k_rotation = k_rotation
+        self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # (R / D for q, R for k)
+        if k_rotation is not None:
+            rotation = key_rotation(head_dim)
+            if k_rotation not in KV_ROTATIONS or not self.quantised or rotation is None:
+                raise ValueError(
+                    f"k_rotation {k_rotation!r}: quantised pools take one of {KV_ROTATIONS} with a "
+                    f"power-of-two head dim (this pool: {kv_cache_dtype}, head dim {head_dim})"
+                )
+            rotation = rotation.to(self.device, dtype)
+            self._rotation = (rotation / head_dim, rotation)  # 1 / D is exact for a power of two
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         if self.tiered:
             self._init_tiered(min(num_fp8_pages or num_pages, num_pages), window_pages)
@@ -396,13 +443,24 @@ class KVPool:
     @property
     def metadata_bytes(self) -> int:
         """Bytes of scales beside the pages (FP8: 2 x L x K float32, 2 x L x K x D float32
-        of channel means when centred, 2 x L x C x K x D float32 of sink slots; tiered: those plus the fp8_slot map, 4 bytes per
-        page; INT4 statistics are in ``bytes_per_token``)."""
+        of channel means when centred, 2 x L x C x K x D float32 of sink slots, 2 x D x D of key
+        rotation in the model dtype; tiered: those plus the fp8_slot map, 4 bytes per page;
+        INT4 statistics are in ``bytes_per_token``)."""
         scales = 2 * self.num_layers * self.num_kv_heads * 4 if self.quantised else 0
         if self.k_mean[0] is not None:
             scales += 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
         scales += 2 * self.sink_k.numel() * 4
+        if self._rotation is not None:
+            scales += sum(r.numel() * r.element_size() for r in self._rotation)
         return scales + (4 * self.num_pages if self.tiered else 0)
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, K, D] after RoPE -> (q @ R / D, k @ R), new tensors in their
+        dtype, for a pool with a key rotation (module doc; scores are unchanged); the
+        inputs themselves otherwise."""
+        if self._rotation is None:
+            return q, k
+        return q @ self._rotation[0], k @ self._rotation[1]
 
     def add_v_mean(self, out: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention over centred values -> attention over the values, in place: ``out``

@@ -178,15 +178,17 @@ class ModelRunner:
         if args.kv_scales_path:
             scales = load_kv_scales(args.kv_scales_path, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                     self.head_dim)
-            logger.info("FP8 KV scales loaded from %s", args.kv_scales_path)
+            logger.info("FP8 KV scales loaded from %s (keys rotated: %s)", args.kv_scales_path,
+                        scales.k_rotation or "no")
             return scales
         ids = self.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"]
         scales = calibrate_kv_scales(self.model, ids, self.page_size, self.device, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the calibration pool is not counted as used by _size_pool
         logger.info("FP8 KV scales and channel means calibrated on %d tokens of %s: scales K %.3g..%.3g, "
-                    "V %.3g..%.3g", len(ids), CALIBRATION_TEXT.name, scales.k_scale.min(), scales.k_scale.max(),
-                    scales.v_scale.min(), scales.v_scale.max())
+                    "V %.3g..%.3g; keys rotated: %s", len(ids), CALIBRATION_TEXT.name, scales.k_scale.min(),
+                    scales.k_scale.max(), scales.v_scale.min(), scales.v_scale.max(),
+                    scales.k_rotation or "no (head dim not a power of two)")
         return scales
 
     def _size_pool(self) -> int:

@@ -168,6 +168,7 @@ class LlamaAttention(nn.Module):
             _fused_ops().rotary_embedding_(q, k, batch.positions, self.rotary[0].inv_freq(q.device))
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = pool.rotate_qk(q, k)  # quantised pools: keys stored rotated (KVPool doc)
         o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool)  # [T, H, D]
         return _linear(self.o_proj, o.reshape(num_tokens, -1), fused)  # [T, H*D] -> [T, E]
 

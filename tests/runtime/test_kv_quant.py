@@ -24,7 +24,7 @@ from radixlm.runtime.kv_calibration import (
     load_kv_scales,
     save_kv_scales,
 )
-from radixlm.runtime.memory_pool import KVPool, kv_bytes_per_token
+from radixlm.runtime.memory_pool import KVPool, key_rotation, kv_bytes_per_token
 from radixlm.runtime.model_loader import load_model
 from radixlm.runtime.server_args import ServerArgs
 
@@ -93,11 +93,16 @@ def test_calibration_means_and_scales_of_the_centred_values(tiny_hf_model: Calla
     448; with center=False no means and the absmax of the raw values."""
     model = load_model(tiny_hf_model()[0], torch.float32, "cpu", "torch")
     ids = random.Random(5).choices(range(256), k=37)
-    scales = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32)
+    scales = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32, rotate=False)
     assert isinstance(scales, KVScales) and scales.k_scale.shape == scales.v_scale.shape == (2, 2)
-    assert scales.k_mean.shape == scales.v_mean.shape == (2, 2, 16)
-    raw = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32, center=False)
+    assert scales.k_mean.shape == scales.v_mean.shape == (2, 2, 16) and scales.k_rotation is None
+    raw = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32, center=False, rotate=False)
     assert raw.k_mean is None and raw.v_mean is None
+    # The default rotates the keys (D = 16 is a power of two): K statistics of k @ R, V's unchanged.
+    rotated = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32)
+    assert rotated.k_rotation == "hadamard"
+    torch.testing.assert_close(rotated.v_mean, scales.v_mean) and torch.testing.assert_close(rotated.v_scale, scales.v_scale)
+    assert not torch.allclose(rotated.k_scale, scales.k_scale)
     # The same K/V, stored by a plain forward pass into a float pool.
     session = Session(model, page_size=4)
     session.step({0: (ids, 0)})
@@ -110,6 +115,9 @@ def test_calibration_means_and_scales_of_the_centred_values(tiny_hf_model: Calla
             torch.testing.assert_close(mean[layer], x.mean(dim=0))
             torch.testing.assert_close(scale[layer], (x - x.mean(dim=0)).abs().amax(dim=(0, 2)) * 2 / 448)
             torch.testing.assert_close(raw_scale[layer], x.abs().amax(dim=(0, 2)) * 2 / 448)
+        k = k @ key_rotation(16)
+        torch.testing.assert_close(rotated.k_mean[layer], k.mean(dim=0))
+        torch.testing.assert_close(rotated.k_scale[layer], (k - k.mean(dim=0)).abs().amax(dim=(0, 2)) * 2 / 448)
     with pytest.raises(KVScalesError, match="at least one token"):
         calibrate_kv_scales(model, [], 4, "cpu", torch.float32)
 
@@ -120,6 +128,7 @@ def test_fp8_cache_logits_stay_close_to_the_float_cache(tiny_hf_model: Callable)
     model = load_model(tiny_hf_model()[0], torch.float32, "cpu", "torch")
     ids = random.Random(6).choices(range(256), k=30)
     scales = calibrate_kv_scales(model, ids, 4, "cpu", torch.float32)
+    assert scales.k_rotation == "hadamard"  # the model rotates q and k for this pool
     session = Session(model, page_size=4)
     session.pool = KVPool(64, 4, 2, 2, 16, torch.float32, "cpu", "fp8_e4m3", *scales)
     got = [session.step({0: (ids[:20], 0)})[0]] + [
@@ -130,10 +139,12 @@ def test_fp8_cache_logits_stay_close_to_the_float_cache(tiny_hf_model: Callable)
     assert 1e-4 < err < 0.05, err
 
 
-def _centred_attention_error(centred: bool) -> float:
+def _fp8_attention_error(centred: bool, rotated: bool = False, outliers: float = 1.0) -> float:
     """Relative error of FP8 attention (torch backend: prefill then decode) against a
     float pool, on keys with a large per-channel offset (as some key channels carry) and
-    values with one, with or without the channel means."""
+    values with one, with or without the channel means and the key rotation (applied as
+    the model applies it, ``KVPool.rotate_qk``). ``outliers`` scales key channels 2 and 7
+    and the queries' same channels (post-RoPE low-frequency channels are large in both)."""
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, tokens = 4, 2, 16, 24
     offset_k = torch.zeros(kv_heads, dim)
@@ -142,21 +153,25 @@ def _centred_attention_error(centred: bool) -> float:
     k = torch.randn(tokens, kv_heads, dim, generator=gen) + offset_k
     v = torch.randn(tokens, kv_heads, dim, generator=gen) + offset_v
     q = torch.randn(tokens, heads, dim, generator=gen) * 0.3
-    k_mean, v_mean = (k.mean(0), v.mean(0)) if centred else (torch.zeros(kv_heads, dim),) * 2
-    scales = ((k - k_mean).abs().amax(dim=(0, 2))[None] * 2 / 448,
+    k[..., [2, 7]] *= outliers
+    q[..., [2, 7]] *= outliers
+    stored_k = k @ key_rotation(dim) if rotated else k
+    k_mean, v_mean = (stored_k.mean(0), v.mean(0)) if centred else (torch.zeros(kv_heads, dim),) * 2
+    scales = ((stored_k - k_mean).abs().amax(dim=(0, 2))[None] * 2 / 448,
               (v - v_mean).abs().amax(dim=(0, 2))[None] * 2 / 448)  # fmt: skip
     means = (k_mean[None], v_mean[None]) if centred else (None, None)
+    rotation = "hadamard" if rotated else None
     outs = []
     for pool in (KVPool(8, 4, 1, kv_heads, dim, torch.float32, "cpu"),
-                 KVPool(8, 4, 1, kv_heads, dim, torch.float32, "cpu", "fp8_e4m3", *scales, *means)):  # fmt: skip
+                 KVPool(8, 4, 1, kv_heads, dim, torch.float32, "cpu", "fp8_e4m3", *scales, *means, rotation)):  # fmt: skip
         backend = TorchAttentionBackend("cpu")
         table = [[3, 1, 6, 2, 5, 4]]
+        qp, kp = pool.rotate_qk(q, k)
         prefill = ForwardBatch.build([[1] * 20], [0], table, [19], 4, "cpu")
-        decode = ForwardBatch.build([[1]], [20], table, [0], 4, "cpu")
-        out = [backend.forward(q[:20], k[:20], v[:20], 0, prefill, pool)]
+        out = [backend.forward(qp[:20], kp[:20], v[:20], 0, prefill, pool)]
         for t in range(20, tokens):
             decode = ForwardBatch.build([[1]], [t], table, [0], 4, "cpu")
-            out.append(backend.forward(q[t:t + 1], k[t:t + 1], v[t:t + 1], 0, decode, pool))
+            out.append(backend.forward(qp[t:t + 1], kp[t:t + 1], v[t:t + 1], 0, decode, pool))
         outs.append(torch.cat(out))
     return float((outs[1] - outs[0]).norm() / outs[0].norm())
 
@@ -164,8 +179,37 @@ def _centred_attention_error(centred: bool) -> float:
 def test_channel_means_cut_the_fp8_attention_error() -> None:
     """Centring is exact for attention (softmax shift for K, weights summing to one for V),
     so only the rounding of the smaller centred values is left."""
-    centred, plain = _centred_attention_error(True), _centred_attention_error(False)
+    centred, plain = _fp8_attention_error(True), _fp8_attention_error(False)
     assert centred < 0.01 and centred < plain / 4, (centred, plain)
+
+
+def test_key_rotation_keeps_scores_and_is_checked() -> None:
+    """R R^T = D I exactly; q R / D . k R = q . k; only quantised pools with a power-of-two
+    head dim take it; its two matrices are counted in the metadata."""
+    r = key_rotation(16)
+    assert set(r.unique().tolist()) == {-1.0, 1.0} and torch.equal(r @ r.T, 16 * torch.eye(16))
+    assert torch.equal(key_rotation(16), r) and key_rotation(96) is None and key_rotation(1) is not None
+    pool = KVPool(4, 4, 2, 2, 16, torch.float32, "cpu", "fp8_e4m3", *_scales(), None, None, "hadamard")
+    plain = KVPool(4, 4, 2, 2, 16, torch.float32, "cpu", "fp8_e4m3", *_scales())
+    assert pool.metadata_bytes == plain.metadata_bytes + 2 * 16 * 16 * 4
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(5, 4, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    qr, kr = pool.rotate_qk(q, k)
+    assert qr.shape == q.shape and kr.shape == k.shape and not torch.allclose(kr, k)
+    torch.testing.assert_close(torch.einsum("thd,shd->hts", qr[:, ::2], kr), torch.einsum("thd,shd->hts", q[:, ::2], k))
+    assert plain.rotate_qk(q, k) == (q, k)
+    for args in (("fp8_e4m3", *_scales(), None, None, "givens"), ("bf16", None, None, None, None, "hadamard")):
+        with pytest.raises(ValueError, match="quantised pools take one of"):
+            KVPool(4, 4, 2, 2, 16, torch.float32, "cpu", *args)
+    with pytest.raises(ValueError, match="head dim 12"):
+        KVPool(4, 4, 2, 2, 12, torch.float32, "cpu", "fp8_e4m3", *_scales(), None, None, "hadamard")
+
+
+def test_key_rotation_cuts_the_fp8_attention_error_of_outlier_channels() -> None:
+    """Keys and queries with two channels far larger than the rest: rotated, each stored
+    channel mixes all 16, and the score error (relative to each element) shrinks."""
+    rotated, plain = (_fp8_attention_error(True, rotated, outliers=8.0) for rotated in (True, False))
+    assert rotated < plain * 0.7, (rotated, plain)
 
 
 def test_pool_channel_means_are_checked_and_counted() -> None:
@@ -190,8 +234,9 @@ def test_scales_file_round_trip_and_errors(tmp_path: Path) -> None:
     path = tmp_path / "scales.json"
     save_kv_scales(path, KVScales(k, v, k_mean, v_mean))
     got = load_kv_scales(path, 3, 2, 4)
-    for a, b in zip(got, (k, v, k_mean, v_mean), strict=True):
+    for a, b in zip(got[:4], (k, v, k_mean, v_mean), strict=True):
         torch.testing.assert_close(a, b)
+    assert got.k_rotation is None
     with pytest.raises(KVScalesError, match="k_mean must be 3 x 2 lists of 8 numbers"):
         load_kv_scales(path, 3, 2, 8)
     # A v1 file (scales only) still loads: no means, the pool stores uncentred values.
@@ -200,9 +245,21 @@ def test_scales_file_round_trip_and_errors(tmp_path: Path) -> None:
     assert "k_mean" not in doc
     doc["format"] = "radixlm-kv-scales-v1"
     path.write_text(json.dumps(doc))
-    k2, v2, km, vm = load_kv_scales(path, 3, 2, 4)
+    k2, v2, km, vm, rotation = load_kv_scales(path, 3, 2, 4)
     torch.testing.assert_close(k2, k) and torch.testing.assert_close(v2, v)
-    assert km is None and vm is None
+    assert km is None and vm is None and rotation is None
+    # The key rotation round-trips; an unknown one, or one the head dim cannot take, is refused.
+    save_kv_scales(path, KVScales(k, v, k_mean, v_mean, "hadamard"))
+    assert json.loads(path.read_text())["k_rotation"] == "hadamard"
+    assert load_kv_scales(path, 3, 2, 4).k_rotation == "hadamard"
+    save_kv_scales(path, KVScales(k, v, None, None, "hadamard"))
+    with pytest.raises(KVScalesError, match="needs a power-of-two head dim, the model's is 6"):
+        load_kv_scales(path, 3, 2, 6)
+    doc = json.loads(path.read_text())
+    doc["k_rotation"] = "givens"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(KVScalesError, match="k_rotation must be one of"):
+        load_kv_scales(path, 3, 2, 4)
     # Means come in pairs; booleans are not numbers; a subnormal scale would overflow x / scale.
     for edit, message in (
         (lambda d: d.pop("v_mean"), "v_mean is missing"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlm.runtime.memory_pool import DEFAULT_KV_SINK_SLOTS, KVPool
+from radixlm.runtime.memory_pool import DEFAULT_KV_SINK_SLOTS, KVPool, key_rotation
 from radixlm.runtime.server_args import ServerArgs
 
 from .test_kv_int4 import PROMPT, _serve
@@ -80,7 +80,10 @@ def test_server_keeps_the_first_tokens_kv_exact(smollm2_dir: str) -> None:
     for layer in (0, 17, 29):
         for sink, float_pool, scale, mean in ((pool.sink_k, session.pool.k, pool.k_scale, pool.k_mean),
                                               (pool.sink_v, session.pool.v, pool.v_scale, pool.v_mean)):
-            want = (float_pool[layer][page, 0] - mean[layer]) / scale[layer][:, None]
+            raw = float_pool[layer][page, 0]  # [K, D]
+            if sink is pool.sink_k and pool.k_rotation is not None:
+                raw = raw @ key_rotation(raw.shape[-1])  # keys are stored rotated
+            want = (raw - mean[layer]) / scale[layer][:, None]
             torch.testing.assert_close(sink[layer, 0], want, rtol=1e-4, atol=1e-3)
     # A pass that claims a slot and fails before writing it gives the slot back: the request
     # is aborted with an error and the next prefill with that first token claims it afresh.
