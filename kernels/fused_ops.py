@@ -84,8 +84,13 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 
 @triton.jit
-def _rope_heads(base, t, stride_t, stride_h, n, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate the first ``n`` heads of token t in place; cos / sin [1, D/2] f32 (rounded)."""
+def _rope_heads(
+    base, t, stride_t, stride_h, n, cos, sin, Rot,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, ROTATE: tl.constexpr,
+):  # fmt: skip
+    """Rotate the first ``n`` heads of token t in place; cos / sin [1, D/2] f32 (rounded).
+    With ROTATE, the rounded result row x [D] is then replaced by ``x @ Rot`` (Rot [D, D]
+    row-major in the heads' dtype; float32 products and sums, rounded once)."""
     dtype = base.dtype.element_ty
     heads = tl.arange(0, BLOCK_H)[:, None]  # [Hb, 1]
     half = tl.arange(0, HALF)[None, :]  # [1, D/2]
@@ -96,14 +101,26 @@ def _rope_heads(base, t, stride_t, stride_h, n, cos, sin, HALF: tl.constexpr, BL
     # rotate_half(x) = [-x2, x1]; each product rounded, then the sum.
     o1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
     o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    if ROTATE:  # [o1, o2] @ [[R11, R12], [R21, R22]], the blocks D/2 x D/2
+        # float32 operands holding the rounded values (exact products; the CPU interpreter
+        # gets bf16 dots wrong), IEEE float32 sums: tiny dots, no tensor cores needed.
+        a1, a2 = o1.to(dtype).to(tl.float32), o2.to(dtype).to(tl.float32)
+        rows = tl.arange(0, HALF)[:, None] * (2 * HALF)
+        cols = tl.arange(0, HALF)[None, :]
+        r11 = tl.load(Rot + rows + cols).to(tl.float32)
+        r12 = tl.load(Rot + rows + HALF + cols).to(tl.float32)
+        r21 = tl.load(Rot + HALF * 2 * HALF + rows + cols).to(tl.float32)
+        r22 = tl.load(Rot + HALF * 2 * HALF + rows + HALF + cols).to(tl.float32)
+        o1 = tl.dot(a2, r21, acc=tl.dot(a1, r11, input_precision="ieee"), input_precision="ieee")
+        o2 = tl.dot(a2, r22, acc=tl.dot(a1, r12, input_precision="ieee"), input_precision="ieee")
     tl.store(ptr, o1.to(dtype), mask=mask)
     tl.store(ptr + HALF, o2.to(dtype), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
-    Q, K, Pos, InvFreq, stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
-    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    Q, K, Pos, InvFreq, RotQ, RotK, stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, ROTATE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     half = tl.arange(0, HALF)  # [D/2]
@@ -111,28 +128,47 @@ def _rope_kernel(
     dtype = Q.dtype.element_ty
     cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
     sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
-    _rope_heads(Q, t, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_HQ)
-    _rope_heads(K, t, stride_kt, stride_kh, num_k_heads, cos, sin, HALF, BLOCK_HK)
+    _rope_heads(Q, t, stride_qt, stride_qh, num_q_heads, cos, sin, RotQ, HALF, BLOCK_HQ, ROTATE)
+    _rope_heads(K, t, stride_kt, stride_kh, num_k_heads, cos, sin, RotK, HALF, BLOCK_HK, ROTATE)
 
 
-def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+MIN_DOT = 16  # tl.dot's smallest M / N / K on NVIDIA GPUs
+
+
+def rotary_embedding_(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+    rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:  # fmt: skip
     """Rotary position embedding (Su et al. 2021, RoFormer), rotate-half layout, in place.
 
     q [T, H, D], k [T, K, D] (same dtype, last dim contiguous, any token / head strides);
     positions [T] int64; inv_freq [D/2] float32 on the same device. D a power of two.
+    ``rotation`` (R_q, R_k), each [D, D] contiguous in q's dtype: afterwards q = rope(q) @ R_q
+    and k = rope(k) @ R_k, each rope'd row rounded to the dtype first (as ``apply_rope``
+    followed by a matmul); the KV pool's key rotation (``KVPool.rotate_qk``). Fused into the
+    same launch when D >= 32 (tl.dot's 16 x 16 minimum on half rows), a matmul after it
+    otherwise.
     """
     assert q.dim() == 3 and k.dim() == 3 and q.stride(2) == 1 and k.stride(2) == 1
     assert q.dtype == k.dtype and q.shape[0] == k.shape[0] == positions.shape[0]
     head_dim = q.shape[2]
     assert k.shape[2] == head_dim and head_dim & (head_dim - 1) == 0, head_dim
     assert inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32
+    fused = rotation is not None and head_dim // 2 >= MIN_DOT
+    if rotation is not None:
+        assert all(r.shape == (head_dim, head_dim) and r.dtype == q.dtype and r.is_contiguous() for r in rotation)
     tokens = q.shape[0]
     if tokens:
+        rot_q, rot_k = rotation if fused else (q, k)  # unused pointers when not fused
+        block = MIN_DOT if fused else 1  # a dot's M is at least 16 rows (heads; masked)
         _rope_kernel[(tokens,)](
-            q, k, positions, inv_freq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q.shape[1], k.shape[1], HALF=head_dim // 2, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
-            BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4,
+            q, k, positions, inv_freq, rot_q, rot_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q.shape[1], k.shape[1], HALF=head_dim // 2, BLOCK_HQ=max(block, triton.next_power_of_2(q.shape[1])),
+            BLOCK_HK=max(block, triton.next_power_of_2(k.shape[1])), ROTATE=fused, num_warps=4,
         )  # fmt: skip
+    if rotation is not None and not fused:
+        q.copy_(q @ rotation[0])
+        k.copy_(k @ rotation[1])
 
 
 @triton.jit

@@ -250,9 +250,10 @@ class KVPool:
     [K] rows on the pool's device (None for float pools). ``k_means``/``v_means`` [L, K, D]
     float32 (optional, both or neither) are the channel means stored values are centred
     on; ``k_mean[layer]``/``v_mean[layer]`` the [K, D] rows (None without).
-    ``k_rotation`` ("hadamard" or None; quantised pools only, D a power of two) is the key
-    rotation the scales and means were calibrated in: the model then calls ``rotate_qk``
-    after RoPE (module doc). Raises ValueError on missing or unusable scales, means or
+    ``k_rotation`` ("hadamard" or None; D a power of two) is the key rotation the scales
+    and means were calibrated in: the model then rotates q and k after RoPE (module doc;
+    calibration gives it to quantised pools, a float pool may take it too: exact, and
+    of use only to tests). Raises ValueError on missing or unusable scales, means or
     rotation.
 
     Tiered pools (``int4``, ``mixed``; module doc) take the same FP8 scales for their FP8
@@ -311,10 +312,10 @@ class KVPool:
         self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # (R / D for q, R for k)
         if k_rotation is not None:
             rotation = key_rotation(head_dim)
-            if k_rotation not in KV_ROTATIONS or not self.quantised or rotation is None:
+            if k_rotation not in KV_ROTATIONS or rotation is None:
                 raise ValueError(
-                    f"k_rotation {k_rotation!r}: quantised pools take one of {KV_ROTATIONS} with a "
-                    f"power-of-two head dim (this pool: {kv_cache_dtype}, head dim {head_dim})"
+                    f"k_rotation {k_rotation!r}: pools take one of {KV_ROTATIONS} with a "
+                    f"power-of-two head dim (this pool: head dim {head_dim})"
                 )
             rotation = rotation.to(self.device, dtype)
             self._rotation = (rotation / head_dim, rotation)  # 1 / D is exact for a power of two
@@ -453,6 +454,12 @@ class KVPool:
         if self._rotation is not None:
             scales += sum(r.numel() * r.element_size() for r in self._rotation)
         return scales + (4 * self.num_pages if self.tiered else 0)
+
+    @property
+    def qk_rotation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(R / D, R), each [D, D] contiguous in the model dtype, for a pool with a key
+        rotation (what ``rotate_qk`` multiplies by; the fused RoPE kernel takes them), else None."""
+        return self._rotation
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, K, D] after RoPE -> (q @ R / D, k @ R), new tensors in their

@@ -164,11 +164,13 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        # Quantised pools store keys rotated (KVPool doc, "Key rotation"): the fused RoPE
+        # kernel applies the rotation in the same launch, the PyTorch path after RoPE.
         if cos is None:
-            _fused_ops().rotary_embedding_(q, k, batch.positions, self.rotary[0].inv_freq(q.device))
+            _fused_ops().rotary_embedding_(q, k, batch.positions, self.rotary[0].inv_freq(q.device),
+                                           pool.qk_rotation)  # fmt: skip
         else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k = pool.rotate_qk(q, k)  # quantised pools: keys stored rotated (KVPool doc)
+            q, k = pool.rotate_qk(apply_rope(q, cos, sin), apply_rope(k, cos, sin))
         o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool)  # [T, H, D]
         return _linear(self.o_proj, o.reshape(num_tokens, -1), fused)  # [T, H*D] -> [T, E]
 

@@ -66,3 +66,39 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
     gate_up = torch.randn(3, 2 * 1100, device=DEVICE, dtype=dtype) * 3  # 1100: two blocks, masked
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16)])  # 16: the matmul fallback
+def test_rope_with_the_key_rotation_matches_apply_rope_then_the_matmuls(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """rotary_embedding_(..., rotation) = apply_rope then @ R / D (q) and @ R (k), the
+    rotation fused into the RoPE launch for D >= 32; q . k per head is unchanged."""
+    from radixlm.runtime.memory_pool import key_rotation
+
+    torch.manual_seed(3)
+    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0})
+    tokens = 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype) * 3
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    r = key_rotation(head_dim).to(DEVICE, dtype)
+    rotation = ((r / head_dim).contiguous(), r)
+    positions = torch.tensor([0, 3, 64, 700, 8191], device=DEVICE)
+    cos, sin = rope(positions, dtype)
+    roped_q, roped_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    want_q, want_k = roped_q @ rotation[0], roped_k @ rotation[1]
+    rotary_embedding_(q, k, positions, rope._inv_freq, rotation)
+    # Each element sums D terms that cancel, so it is compared against the tensor's scale:
+    # bf16, within four roundings of the largest element (the interpreter's bf16 casts
+    # truncate, so a RoPE'd input may be an ulp off apply_rope's before the D-term sums,
+    # and torch's bf16 matmul sums in another order); a wrong rotation is off by O(1).
+    for got, want in ((q, want_q), (k, want_k)):
+        scale = float(want.abs().max())
+        tol = 1e-6 if dtype == torch.float32 else 4 * 2**-8
+        torch.testing.assert_close(got, want, atol=tol * scale, rtol=0)
+    group = heads // kv_heads
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float().repeat_interleave(group, 1))
+    plain = torch.einsum("thd,shd->hts", roped_q.float(), roped_k.float().repeat_interleave(group, 1))
+    assert float((scores - plain).abs().max()) < (1e-3 if dtype == torch.float32 else 0.05) * float(plain.abs().max())

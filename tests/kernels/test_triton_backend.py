@@ -145,3 +145,35 @@ def test_model_on_the_triton_backend_uses_fused_kernels_and_matches_torch(tiny_h
             step = ForwardBatch.build([ids[12:]], [12], [table], [0], PAGE, DEVICE)
             logits[name] = torch.cat([first, model.compute_logits(model(step, pool))])
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=2e-5, rtol=2e-5)
+
+
+def test_fused_rope_applies_the_pool_key_rotation(tiny_hf_model) -> None:
+    """Head dim 64: the Triton model path (the rotation inside the fused RoPE launch) stores
+    the same rotated keys as the PyTorch path (RoPE, then ``KVPool.rotate_qk``), keys @ R of
+    an unrotated pool, and both give the unrotated pool's logits (scores are unchanged).
+    Float pools: the FP8 Triton kernels do not run under the CPU interpreter."""
+    import random
+
+    from radixlm.runtime.memory_pool import key_rotation
+    from radixlm.runtime.model_loader import load_model
+
+    model_dir = tiny_hf_model(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})[0]  # fmt: skip
+    models = {name: load_model(model_dir, torch.float32, DEVICE, name) for name in ("torch", "triton")}
+    ids = random.Random(1).choices(range(256), k=13)
+    table = [3, 7, 1, 9]
+    keys, logits = {}, {}
+    for name, model in models.items():
+        for rotation in (None, "hadamard"):
+            pool = KVPool(12, PAGE, model.config.num_hidden_layers, 1, 64, torch.float32, DEVICE, k_rotation=rotation)
+            with torch.inference_mode():
+                prefill = ForwardBatch.build([ids[:12]], [0], [table], [11], PAGE, DEVICE)
+                first = model.compute_logits(model(prefill, pool))
+                step = ForwardBatch.build([ids[12:]], [12], [table], [0], PAGE, DEVICE)
+                logits[name, rotation] = torch.cat([first, model.compute_logits(model(step, pool))])
+            keys[name, rotation] = torch.stack([pool.k[layer][table].reshape(-1, 64)[:13] for layer in range(2)])
+    r = key_rotation(64).to(DEVICE)
+    for name in models:
+        torch.testing.assert_close(keys[name, "hadamard"], keys[name, None] @ r, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[name, "hadamard"], logits["torch", None], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(keys["triton", "hadamard"], keys["torch", "hadamard"], atol=1e-4, rtol=1e-4)

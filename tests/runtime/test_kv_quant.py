@@ -184,8 +184,8 @@ def test_channel_means_cut_the_fp8_attention_error() -> None:
 
 
 def test_key_rotation_keeps_scores_and_is_checked() -> None:
-    """R R^T = D I exactly; q R / D . k R = q . k; only quantised pools with a power-of-two
-    head dim take it; its two matrices are counted in the metadata."""
+    """R R^T = D I exactly; q R / D . k R = q . k; pools take it for a power-of-two head
+    dim only; its two matrices are counted in the metadata."""
     r = key_rotation(16)
     assert set(r.unique().tolist()) == {-1.0, 1.0} and torch.equal(r @ r.T, 16 * torch.eye(16))
     assert torch.equal(key_rotation(16), r) and key_rotation(96) is None and key_rotation(1) is not None
@@ -198,9 +198,8 @@ def test_key_rotation_keeps_scores_and_is_checked() -> None:
     assert qr.shape == q.shape and kr.shape == k.shape and not torch.allclose(kr, k)
     torch.testing.assert_close(torch.einsum("thd,shd->hts", qr[:, ::2], kr), torch.einsum("thd,shd->hts", q[:, ::2], k))
     assert plain.rotate_qk(q, k) == (q, k)
-    for args in (("fp8_e4m3", *_scales(), None, None, "givens"), ("bf16", None, None, None, None, "hadamard")):
-        with pytest.raises(ValueError, match="quantised pools take one of"):
-            KVPool(4, 4, 2, 2, 16, torch.float32, "cpu", *args)
+    with pytest.raises(ValueError, match="pools take one of"):
+        KVPool(4, 4, 2, 2, 16, torch.float32, "cpu", "fp8_e4m3", *_scales(), None, None, "givens")
     with pytest.raises(ValueError, match="head dim 12"):
         KVPool(4, 4, 2, 2, 12, torch.float32, "cpu", "fp8_e4m3", *_scales(), None, None, "hadamard")
 
