@@ -301,9 +301,12 @@ class Scheduler:
             token, accepted = (req.grammar_ahead.pop(0) if req.grammar_ahead
                                else (res.next_id, req.grammar.accept_token(res.next_id)))
             if token != res.next_id or not accepted:
+                req.output_ids.pop()  # the rejected token is not output, nor its logprobs
+                kept = len(req.output_ids)
+                del req.output_logprobs[kept:], req.output_top_logprobs[kept:]
                 if token == res.next_id and not allows_a_token(req.grammar, self.grammars.vocab_size):
                     req.finish("abort", error="the request's grammar allows no token of the model's vocabulary "
-                                              f"after {len(req.output_ids) - 1} generated tokens (it needs text "
+                                              f"after {len(req.output_ids)} generated tokens (it needs text "
                                               "that no sequence of tokens spells)")
                 else:
                     req.finish("abort", error=f"internal error: token {res.next_id} rejected by the request's grammar")

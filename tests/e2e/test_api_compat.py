@@ -153,6 +153,13 @@ def test_a_server_abort_with_a_reason_is_an_openai_error(server, idle_invariants
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "0", "regex": "\U00040000", "max_tokens": 4})
         assert r.status_code == 400, r.text
         assert "grammar allows no token of the model's vocabulary after 0 generated tokens" in r.json()["error"]["message"]
+        # The native route answers the abort; the token the grammar rejected is not output.
+        r = c.post("/generate", json={"text": "0", "sampling_params": {"regex": "\U00040000", "max_new_tokens": 4},
+                                      "return_logprob": True})
+        out = r.json()
+        assert r.status_code == 200 and out["output_ids"] == [] and out["text"] == "", out
+        assert out["meta_info"]["output_token_logprobs"] == [], out["meta_info"]
+        assert "grammar allows no token" in out["meta_info"]["finish_reason"]["message"]
     idle_invariants(server)
 
 
