@@ -14,7 +14,9 @@ embedding table, of which a step reads only B rows).
 ``--kv-cache-dtype fp8_e4m3`` runs FP8 pages with placeholder scales (speed does not
 depend on their values); ``--kv-centred`` adds channel means, so the step also pays for
 subtracting them in store_kv and adding ``v_mean`` back to every layer's output (in the
-decode kernels' epilogue: the direct store or the split merge).
+decode kernels' epilogue: the direct store or the split merge); ``--kv-rotated`` adds the
+key rotation as well (the server's FP8 default: q @ R / D and k @ R inside the fused RoPE
+kernel).
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--kv-cache-dtype", choices=["bf16", "fp8_e4m3"], default="bf16")
     ap.add_argument("--kv-centred", action="store_true", help="fp8_e4m3 with channel means")
+    ap.add_argument("--kv-rotated", action="store_true",
+                    help="fp8_e4m3 with channel means and keys rotated (the fused RoPE kernel applies it)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -158,10 +162,10 @@ def main() -> None:
     quant: tuple = (None, None)
     if args.kv_cache_dtype == "fp8_e4m3":
         quant = (torch.full((layers, kv_heads), 0.02), torch.full((layers, kv_heads), 0.02))
-        if args.kv_centred:
+        if args.kv_centred or args.kv_rotated:
             quant += (torch.zeros(layers, kv_heads, head_dim), torch.full((layers, kv_heads, head_dim), 0.01))
     pool = KVPool(max_bs * pages_per_req + 1, page, layers, kv_heads, head_dim, torch.bfloat16, device,
-                  args.kv_cache_dtype, *quant)  # fmt: skip
+                  args.kv_cache_dtype, *quant, k_rotation="hadamard" if args.kv_rotated else None)  # fmt: skip
     tables = [
         list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)) for b in range(max_bs)
     ]
@@ -181,7 +185,8 @@ def main() -> None:
         read_floor_ms=read / bandwidth * 1e3,
         capture_s=capture_s,
         kv_cache_dtype=args.kv_cache_dtype,
-        kv_centred=args.kv_centred,
+        kv_centred=args.kv_centred or args.kv_rotated,
+        kv_rotated=args.kv_rotated,
         context=args.context,
         rows=[],
     )
@@ -193,7 +198,7 @@ def main() -> None:
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    kv = "" if args.kv_cache_dtype == "bf16" else f"_{args.kv_cache_dtype}{'_centred' * args.kv_centred}"
+    kv = "" if args.kv_cache_dtype == "bf16" else f"_{args.kv_cache_dtype}{'_centred' * (args.kv_centred or args.kv_rotated)}{'_rotated' * args.kv_rotated}"
     (args.out / f"decode_step_{args.shape}{kv}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
 
