@@ -23,7 +23,7 @@ per layer and kv head and one float32 mean per layer, kv head and channel, for K
   power-of-two head dim, keys are stored as ``k @ R`` (R the +-1 randomized Hadamard
   matrix, ``memory_pool.key_rotation``), so their means and scales are measured on the
   rotated keys and ``KVScales.k_rotation`` is "hadamard". Measured on SmolLM2
-  (BENCHMARKS.md): mean |delta logprob| against a float cache -25%.
+  (BENCHMARKS.md, 50K tokens): mean |delta logprob| against a float cache -21%.
 * ``save_kv_scales`` / ``load_kv_scales``: JSON ``{"format": "radixlm-kv-scales-v2",
   "num_layers": L, "num_kv_heads": K, "head_dim": D, "k_scale": [[...] x L], "v_scale":
   [[...] x L], "k_mean": [[[...] x K] x L], "v_mean": ..., "k_rotation": "hadamard"}``.

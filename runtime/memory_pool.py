@@ -309,7 +309,9 @@ class KVPool:
             self.k_mean = [m.contiguous() for m in k_means.to(self.device, torch.float32).unbind(0)]
             self.v_mean = [m.contiguous() for m in v_means.to(self.device, torch.float32).unbind(0)]
         self.k_rotation = k_rotation
-        self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # (R / D for q, R for k)
+        # (R / D for q, R for k), each [D, D] contiguous in the model dtype (rotate_qk; the
+        # fused RoPE kernel takes them), or None.
+        self.qk_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
         if k_rotation is not None:
             rotation = key_rotation(head_dim)
             if k_rotation not in KV_ROTATIONS or rotation is None:
@@ -318,7 +320,7 @@ class KVPool:
                     f"power-of-two head dim (this pool: head dim {head_dim})"
                 )
             rotation = rotation.to(self.device, dtype)
-            self._rotation = (rotation / head_dim, rotation)  # 1 / D is exact for a power of two
+            self.qk_rotation = (rotation / head_dim, rotation)  # 1 / D is exact for a power of two
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         if self.tiered:
             self._init_tiered(min(num_fp8_pages or num_pages, num_pages), window_pages)
@@ -451,23 +453,17 @@ class KVPool:
         if self.k_mean[0] is not None:
             scales += 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
         scales += 2 * self.sink_k.numel() * 4
-        if self._rotation is not None:
-            scales += sum(r.numel() * r.element_size() for r in self._rotation)
+        if self.qk_rotation is not None:
+            scales += sum(r.numel() * r.element_size() for r in self.qk_rotation)
         return scales + (4 * self.num_pages if self.tiered else 0)
-
-    @property
-    def qk_rotation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(R / D, R), each [D, D] contiguous in the model dtype, for a pool with a key
-        rotation (what ``rotate_qk`` multiplies by; the fused RoPE kernel takes them), else None."""
-        return self._rotation
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, K, D] after RoPE -> (q @ R / D, k @ R), new tensors in their
         dtype, for a pool with a key rotation (module doc; scores are unchanged); the
         inputs themselves otherwise."""
-        if self._rotation is None:
+        if self.qk_rotation is None:
             return q, k
-        return q @ self._rotation[0], k @ self._rotation[1]
+        return q @ self.qk_rotation[0], k @ self.qk_rotation[1]
 
     def add_v_mean(self, out: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention over centred values -> attention over the values, in place: ``out``
