@@ -37,6 +37,11 @@ Usage (H200: ~1-2 minutes)::
         [--probe-variants cvt:128:4:2:4,bits:128:4:2:4,qk8:128:4:2:4,pages_ahead:64:2:3:4] \
         [--prod-variants fp8:128:4:2:4:-,fp8:64:2:3:4:a,fp8:32:1:3:8:a]
 
+``--ncu``: each kernel launched once per shape, untimed, for Nsight Compute::
+
+    ncu --clock-control none --kernel-name regex:_decode_split_kernel --set full \
+        python3 bench/fp8_decode_probe.py --ncu --shapes 32x32768 --out $OUT --prod-variants ''
+
 ``--smoke``: tiny shapes under TRITON_INTERPRET=1 on the CPU (errors only). The runs of
 2026-12-02 and what they found: BENCHMARKS.md ("FP8 decode attention, page-table entries
 ahead").
@@ -261,6 +266,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--ncu", action="store_true",
+                    help="launch each kernel once per shape, untimed and without the check shape "
+                         "(for ncu --kernel-name regex:_decode_split_kernel)")  # fmt: skip
     ap.add_argument("--shapes", default="1x2048,8x8192,32x8192,32x32768,128x8192", help="BATCHxCONTEXT,...")
     ap.add_argument("--probe-variants", default="",
                     help="this file's kernel: MODE:BLOCK_N:WARPS:STAGES:PROGRAMS_PER_SM,... "
@@ -296,7 +304,7 @@ def main() -> None:
     if smoke:
         probe = [(m, 16, 4, 2, 4) for m in MODES]
         prod = [("bf16", 16, 4, 2, 4, True), ("fp8", 16, 2, 3, 4, True), ("fp8", 16, 2, 3, 4, False)]
-    for batch, ctx in [check] + shapes:
+    for batch, ctx in ([] if args.ncu else [check]) + shapes:
         need = -(-ctx // page)
         perm = torch.randperm(pages - 1, generator=gen)[: batch * need] + 1
         table = perm.view(batch, need).to(torch.int32).to(device)
@@ -311,7 +319,7 @@ def main() -> None:
                 got = fn().clone()
                 if is_check and name != "bf16_d64":
                     row["rel_err"][name] = rel_err(got, ref)
-                if not smoke:
+                if not (smoke or args.ncu):
                     row["us"][name] = timer.median_us(fn, graph=True)
             except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is recorded
                 row["us"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
