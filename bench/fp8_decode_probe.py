@@ -253,10 +253,11 @@ def shape_runs(q, pools: dict, table, seq, scale, probe: list, prod: list, kerne
         info = kernels.setdefault(name, {})
         runs[name] = lambda mode=mode, bn=bn, w=w, st=st, out=out, info=info, n=n, ws=ws: probe_decode(
             q, k8, v8, table, seq, scale, ks, vs, MODES[mode], bn, w, n, ws, out, st, info)
-    for pool, bn, w, st, pps, ahead in prod:
-        cfg = DecodeConfig(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps, pages_ahead=ahead)
+    for pool, bn, w, st, pps, ahead, *regs in prod:
+        cfg = DecodeConfig(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps, pages_ahead=ahead,
+                           max_registers=regs[0] if regs else None)  # fmt: skip
         kk, vv, a, c = (k, v, None, None) if pool == "bf16" else (k8, v8, ks, vs)
-        runs[f"prod:{pool}:n{bn}w{w}s{st}p{pps}{'a' if ahead else ''}"] = (
+        runs[f"prod:{pool}:n{bn}w{w}s{st}p{pps}{'a' if ahead else ''}{f'r{regs[0]}' if regs else ''}"] = (
             lambda kk=kk, vv=vv, a=a, c=c, cfg=cfg: decode_attention(
                 q, kk, vv, table, seq, scale, config=cfg, k_scale=a, v_scale=c))  # fmt: skip
     return runs
@@ -273,7 +274,7 @@ def main() -> None:
     ap.add_argument("--probe-variants", default="",
                     help="this file's kernel: MODE:BLOCK_N:WARPS:STAGES:PROGRAMS_PER_SM,... "
                          "(MODE: cvt, bits, qk8, qk8pv8, prefetch, pages_ahead)")  # fmt: skip
-    ap.add_argument("--prod-variants", help="the production kernel: POOL:BLOCK_N:WARPS:STAGES:PROGRAMS_PER_SM:a|-,...",
+    ap.add_argument("--prod-variants", help="the production kernel: POOL:BLOCK_N:WARPS:STAGES:PROGRAMS_PER_SM:a|-[:MAX_REGISTERS],...",
                     default="fp8:128:4:2:4:-,fp8:128:4:3:4:a,fp8:64:2:3:4:a,fp8:32:1:3:8:a")  # fmt: skip
     args = ap.parse_args()
     smoke = args.smoke

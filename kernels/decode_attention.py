@@ -133,6 +133,9 @@ class DecodeConfig:
     # page-table load. Worth 15-20% on FP8 pages with 3 stages (below); bf16 pages are at
     # the copy bandwidth already and stay without (within +-5% either way on the H200).
     pages_ahead: bool = False
+    # Split kernel: a cap on registers per thread (ptxas ``.maxnreg``; None: the compiler's
+    # choice), so more programs fit on an SM at once.
+    max_registers: int | None = None
 
 
 # FP8 pages (fp16 dots). H200, 8 kv heads, D 128, 2026-12-02 (bench/fp8_decode_probe.py):
@@ -862,6 +865,8 @@ def _launch(
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
         CENTER=v_mean is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    if config.max_registers is not None:
+        common["maxnreg"] = config.max_registers
     if tiered is not None:
         aligned, step = _tiled_step(page_size, config.block_n)
         split = _decode_tiered_kernel[grid](
