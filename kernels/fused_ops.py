@@ -86,7 +86,7 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 @triton.jit
 def _rope_heads(
     base, t, stride_t, stride_h, n, cos, sin, Rot,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, ROTATE: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Rotate the first ``n`` heads of token t in place; cos / sin [1, D/2] f32 (rounded).
     With ROTATE, the rounded result row x [D] is then replaced by ``x @ Rot`` (Rot [D, D]
@@ -102,11 +102,12 @@ def _rope_heads(
     o1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
     o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     if ROTATE:  # [o1, o2] @ [[R11, R12], [R21, R22]], the blocks D/2 x D/2
-        # float32 operands holding the rounded values, dots in tf32 on the tensor cores: a
-        # 16-bit value and R's +-1 (or +-1/D) entries are exact in tf32, so the products are
-        # exact and only the float32 sums round. "ieee" (FMA) dots took ~50 us per token
-        # program on the H200 (1.6 ms of a Llama-3-8B decode step); the CPU interpreter gets
-        # bf16 dots wrong, hence float32 operands.
+        # float32 operands holding the rounded values. For 16-bit heads the dots run in tf32
+        # on the tensor cores: a 16-bit value and R's +-1 (or +-1/D) entries are exact in
+        # tf32, so the products are exact and only the float32 sums round. "ieee" (FMA) dots,
+        # needed for float32 heads, took ~50 us per token program on the H200 (1.6 ms of a
+        # Llama-3-8B bf16 decode step). The CPU interpreter gets bf16 dots wrong, hence
+        # float32 operands.
         a1, a2 = o1.to(dtype).to(tl.float32), o2.to(dtype).to(tl.float32)
         rows = tl.arange(0, HALF)[:, None] * (2 * HALF)
         cols = tl.arange(0, HALF)[None, :]
@@ -114,8 +115,8 @@ def _rope_heads(
         r12 = tl.load(Rot + rows + HALF + cols).to(tl.float32)
         r21 = tl.load(Rot + HALF * 2 * HALF + rows + cols).to(tl.float32)
         r22 = tl.load(Rot + HALF * 2 * HALF + rows + HALF + cols).to(tl.float32)
-        o1 = tl.dot(a2, r21, acc=tl.dot(a1, r11, input_precision="tf32"), input_precision="tf32")
-        o2 = tl.dot(a2, r22, acc=tl.dot(a1, r12, input_precision="tf32"), input_precision="tf32")
+        o1 = tl.dot(a2, r21, acc=tl.dot(a1, r11, input_precision=PRECISION), input_precision=PRECISION)
+        o2 = tl.dot(a2, r22, acc=tl.dot(a1, r12, input_precision=PRECISION), input_precision=PRECISION)
     tl.store(ptr, o1.to(dtype), mask=mask)
     tl.store(ptr + HALF, o2.to(dtype), mask=mask)
 
@@ -124,6 +125,7 @@ def _rope_heads(
 def _rope_kernel(
     Q, K, Pos, InvFreq, RotQ, RotK, stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, ROTATE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     half = tl.arange(0, HALF)  # [D/2]
@@ -131,8 +133,8 @@ def _rope_kernel(
     dtype = Q.dtype.element_ty
     cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
     sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
-    _rope_heads(Q, t, stride_qt, stride_qh, num_q_heads, cos, sin, RotQ, HALF, BLOCK_HQ, ROTATE)
-    _rope_heads(K, t, stride_kt, stride_kh, num_k_heads, cos, sin, RotK, HALF, BLOCK_HK, ROTATE)
+    _rope_heads(Q, t, stride_qt, stride_qh, num_q_heads, cos, sin, RotQ, HALF, BLOCK_HQ, ROTATE, PRECISION)
+    _rope_heads(K, t, stride_kt, stride_kh, num_k_heads, cos, sin, RotK, HALF, BLOCK_HK, ROTATE, PRECISION)
 
 
 MIN_DOT = 16  # tl.dot's smallest M / N / K on NVIDIA GPUs
@@ -167,7 +169,8 @@ def rotary_embedding_(
         _rope_kernel[(tokens,)](
             q, k, positions, inv_freq, rot_q, rot_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q.shape[1], k.shape[1], HALF=head_dim // 2, BLOCK_HQ=max(block, triton.next_power_of_2(q.shape[1])),
-            BLOCK_HK=max(block, triton.next_power_of_2(k.shape[1])), ROTATE=fused, num_warps=4,
+            BLOCK_HK=max(block, triton.next_power_of_2(k.shape[1])), ROTATE=fused,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
         )  # fmt: skip
     if rotation is not None and not fused:
         q.copy_(q @ rotation[0])
