@@ -143,16 +143,18 @@ def _tok(tm: TokenizerManager, tid: int) -> str:
     return tm.tokenizer.decode([tid])
 
 
-def _completion_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float | None], tops: list,
+def _completion_logprobs(tm: TokenizerManager, ids: list[int], lps: list[float | None], tops: list | None,
                          offset: int) -> tuple[dict[str, Any], int]:
     """The legacy ``logprobs`` object of ``ids`` (``text_offset`` from ``offset`` on) and
-    the offset after the last token. A None entry (the first prompt token) stays null."""
+    the offset after the last token. A None entry (the first prompt token) stays null;
+    ``tops`` None (``logprobs: 0``, no alternatives asked for) gives ``top_logprobs`` null,
+    a list (possibly empty, as in a stream's last chunk) gives a list."""
     tokens = [_tok(tm, t) for t in ids]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    top = [None if t is None else {_tok(tm, i): lp for i, lp in t} for t in tops] if tops else None
+    top = None if tops is None else [None if t is None else {_tok(tm, i): lp for i, lp in t} for t in tops]
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}, pos
 
 
@@ -234,7 +236,7 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
             return failed
         out = []
         for ch in choices:
-            lp = (_completion_logprobs(tm, ch.ids, ch.logprobs, ch.top if body.logprobs else [], 0)[0]
+            lp = (_completion_logprobs(tm, ch.ids, ch.logprobs, ch.top if body.logprobs else None, 0)[0]
                   if body.logprobs is not None else None)
             out.append({"index": ch.index, "text": ch.text, "logprobs": lp, "finish_reason": _finish(ch.last)})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
@@ -342,5 +344,6 @@ def _stream_choice(tm: TokenizerManager, body: Any, p: _Choice, base: int, offse
         return {"index": base + p.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
     lp = None
     if body.logprobs is not None:
-        lp, offsets[p.index] = _completion_logprobs(tm, p.ids, p.logprobs, p.top, offsets[p.index])
+        lp, offsets[p.index] = _completion_logprobs(tm, p.ids, p.logprobs, p.top if body.logprobs else None,
+                                                    offsets[p.index])
     return {"index": base + p.index, "text": p.text, "logprobs": lp, "finish_reason": finish}

@@ -91,6 +91,25 @@ def test_echo_with_generation_puts_the_prompt_first(server, tokenizer, idle_inva
     idle_invariants(server)
 
 
+def test_streamed_top_logprobs_are_a_list_in_every_chunk(server, idle_invariants):
+    """logprobs: 2, streamed: every chunk's top_logprobs is a list as long as its tokens (the
+    last chunk, which may carry no token, too: it was null), and the chunks add up to the
+    non-streamed answer."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    with server.client() as c:
+        whole = _post(c, "/v1/completions", body)["choices"][0]["logprobs"]
+        pieces = [e["choices"][0] for e in _events(c, "/v1/completions", body)]
+    assert len(pieces) >= 2 and pieces[-1]["finish_reason"] == "length"
+    for p in pieces:
+        lp = p["logprobs"]
+        assert isinstance(lp["top_logprobs"], list) and len(lp["top_logprobs"]) == len(lp["tokens"])
+    merged = {k: sum((p["logprobs"][k] for p in pieces), []) for k in ("tokens", "top_logprobs")}
+    assert merged["tokens"] == whole["tokens"] and len(whole["tokens"]) == 6
+    assert [sorted(t) for t in merged["top_logprobs"]] == [sorted(t) for t in whole["top_logprobs"]]
+    assert all(1 <= len(t) <= 2 for t in whole["top_logprobs"])
+    idle_invariants(server)
+
+
 def test_echo_through_the_openai_client_and_its_limits(server, idle_invariants):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     out = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=0, echo=True, logprobs=0)
