@@ -85,14 +85,15 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 @triton.jit
 def _rope_heads(
-    base, t, stride_t, stride_h, n, cos, sin, Rot,
+    base, t, stride_t, stride_h, first, n, cos, sin, Rot,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Rotate the first ``n`` heads of token t in place; cos / sin [1, D/2] f32 (rounded).
-    With ROTATE, the rounded result row x [D] is then replaced by ``x @ Rot`` (Rot [D, D]
-    row-major in the heads' dtype; float32 products and sums, rounded once)."""
+    """Rotate heads ``first .. first + BLOCK_H`` (those below ``n``) of token t in place;
+    cos / sin [1, D/2] f32 (rounded). With ROTATE, the rounded result row x [D] is then
+    replaced by ``x @ Rot`` (Rot [D, D] row-major in the heads' dtype; float32 products and
+    sums, rounded once)."""
     dtype = base.dtype.element_ty
-    heads = tl.arange(0, BLOCK_H)[:, None]  # [Hb, 1]
+    heads = first + tl.arange(0, BLOCK_H)[:, None]  # [Hb, 1]
     half = tl.arange(0, HALF)[None, :]  # [1, D/2]
     mask = heads < n
     ptr = base + t * stride_t + heads * stride_h + half
@@ -124,17 +125,23 @@ def _rope_heads(
 @triton.jit
 def _rope_kernel(
     Q, K, Pos, InvFreq, RotQ, RotK, stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
-    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, ROTATE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    q_blocks, HALF: tl.constexpr, BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """Program (t, j): token t's q heads j * BLOCK_H .. for j < q_blocks, else its k heads
+    (j - q_blocks) * BLOCK_H .. (several programs per token: at batch 1 one SM would do all)."""
     t = tl.program_id(0)
+    j = tl.program_id(1)
     half = tl.arange(0, HALF)  # [D/2]
     angle = tl.load(Pos + t).to(tl.float32) * tl.load(InvFreq + half)  # [D/2] f32
     dtype = Q.dtype.element_ty
     cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
     sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
-    _rope_heads(Q, t, stride_qt, stride_qh, num_q_heads, cos, sin, RotQ, HALF, BLOCK_HQ, ROTATE, PRECISION)
-    _rope_heads(K, t, stride_kt, stride_kh, num_k_heads, cos, sin, RotK, HALF, BLOCK_HK, ROTATE, PRECISION)
+    if j < q_blocks:
+        _rope_heads(Q, t, stride_qt, stride_qh, j * BLOCK_H, num_q_heads, cos, sin, RotQ, HALF, BLOCK_H, ROTATE,
+                    PRECISION)  # fmt: skip
+    else:
+        _rope_heads(K, t, stride_kt, stride_kh, (j - q_blocks) * BLOCK_H, num_k_heads, cos, sin, RotK, HALF,
+                    BLOCK_H, ROTATE, PRECISION)  # fmt: skip
 
 
 MIN_DOT = 16  # tl.dot's smallest M / N / K on NVIDIA GPUs
@@ -165,11 +172,13 @@ def rotary_embedding_(
     tokens = q.shape[0]
     if tokens:
         rot_q, rot_k = rotation if fused else (q, k)  # unused pointers when not fused
-        block = MIN_DOT if fused else 1  # a dot's M is at least 16 rows (heads; masked)
-        _rope_kernel[(tokens,)](
+        # Fused: blocks of 16 heads (a dot's M is at least 16 rows; masked), a program each;
+        # else one block holds all q heads, another all k heads.
+        block = MIN_DOT if fused else triton.next_power_of_2(max(q.shape[1], k.shape[1]))
+        q_blocks = triton.cdiv(q.shape[1], block)
+        _rope_kernel[(tokens, q_blocks + triton.cdiv(k.shape[1], block))](
             q, k, positions, inv_freq, rot_q, rot_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q.shape[1], k.shape[1], HALF=head_dim // 2, BLOCK_HQ=max(block, triton.next_power_of_2(q.shape[1])),
-            BLOCK_HK=max(block, triton.next_power_of_2(k.shape[1])), ROTATE=fused,
+            q.shape[1], k.shape[1], q_blocks, HALF=head_dim // 2, BLOCK_H=block, ROTATE=fused,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
         )  # fmt: skip
     if rotation is not None and not fused:

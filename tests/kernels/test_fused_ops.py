@@ -69,7 +69,8 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16)])  # 16: the matmul fallback
+# 16: the matmul fallback; 34 / 17 heads: three q programs and two k programs per token
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (34, 17, 32)])
 def test_rope_with_the_key_rotation_matches_apply_rope_then_the_matmuls(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> None:
