@@ -6,33 +6,38 @@ See ``api`` for the language, ``interpreter`` for how programs run, ``choices`` 
 HTTP; imports torch when created), ``openai_backend`` (OpenAI-compatible APIs).
 """
 
-from radixlm.frontend.api import (
-    Function,
-    assistant,
-    assistant_begin,
-    assistant_end,
-    flush_cache,
-    function,
-    gen,
-    get_default_backend,
-    select,
-    set_default_backend,
-    system,
-    system_begin,
-    system_end,
-    user,
-    user_begin,
-    user_end,
-)
-from radixlm.frontend.backend import Backend
-from radixlm.frontend.chat_template import ChatTemplate
-from radixlm.frontend.choices import sum_logprob, token_length_normalized
-from radixlm.frontend.engine import Engine
-from radixlm.frontend.interpreter import ProgramState, ProgramStateGroup
-from radixlm.frontend.ir import SamplingParams
-from radixlm.frontend.openai_backend import OpenAI
-from radixlm.frontend.runtime_endpoint import Runtime, RuntimeEndpoint
-from radixlm.frontend.transport import BackendError
+if "." not in __name__:  # imported as top-level ``frontend`` from a checkout's root: not us
+    from radixlm import _defer_to_top_level
+
+    _defer_to_top_level(__name__, __file__)
+else:
+    from radixlm.frontend.api import (
+        Function,
+        assistant,
+        assistant_begin,
+        assistant_end,
+        flush_cache,
+        function,
+        gen,
+        get_default_backend,
+        select,
+        set_default_backend,
+        system,
+        system_begin,
+        system_end,
+        user,
+        user_begin,
+        user_end,
+    )
+    from radixlm.frontend.backend import Backend
+    from radixlm.frontend.chat_template import ChatTemplate
+    from radixlm.frontend.choices import sum_logprob, token_length_normalized
+    from radixlm.frontend.engine import Engine
+    from radixlm.frontend.interpreter import ProgramState, ProgramStateGroup
+    from radixlm.frontend.ir import SamplingParams
+    from radixlm.frontend.openai_backend import OpenAI
+    from radixlm.frontend.runtime_endpoint import Runtime, RuntimeEndpoint
+    from radixlm.frontend.transport import BackendError
 
 __all__ = [
     "function", "Function", "gen", "select", "system", "user", "assistant", "system_begin",

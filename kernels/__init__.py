@@ -8,6 +8,11 @@ names do not shadow a submodule.
 
 from __future__ import annotations
 
-from radixlm.kernels.reference import gather_kv, paged_attention
+if "." not in __name__:  # imported as top-level ``kernels`` from a checkout's root: not us
+    from radixlm import _defer_to_top_level
+
+    _defer_to_top_level(__name__, __file__)
+else:
+    from radixlm.kernels.reference import gather_kv, paged_attention
 
 __all__ = ["gather_kv", "paged_attention"]

@@ -7,7 +7,12 @@ lives in radix/invariants.py. Imports only the standard library.
 
 from __future__ import annotations
 
-from radixlm.radix.eviction import EVICTION_POLICIES
-from radixlm.radix.tree import InsertResult, MatchResult, PeekResult, RadixTree, TreeListener
+if "." not in __name__:  # imported as top-level ``radix`` from a checkout's root: not us
+    from radixlm import _defer_to_top_level
+
+    _defer_to_top_level(__name__, __file__)
+else:
+    from radixlm.radix.eviction import EVICTION_POLICIES
+    from radixlm.radix.tree import InsertResult, MatchResult, PeekResult, RadixTree, TreeListener
 
 __all__ = ["EVICTION_POLICIES", "InsertResult", "MatchResult", "PeekResult", "RadixTree", "TreeListener"]

@@ -26,4 +26,19 @@ def _unshadow_checkout() -> None:
     _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != root]
 
 
+
+def _defer_to_top_level(name: str, init_file: str) -> None:
+    """Called by a checkout folder's ``__init__.py`` (``init_file``) when it is imported as
+    the top-level package ``name`` rather than as ``radixlm.name``: its checkout root was
+    first on sys.path. Takes that root off sys.path and imports ``name`` again, so the
+    import statement gets what it would without the checkout (another distribution's
+    package, e.g. Hugging Face's ``kernels``) or its ModuleNotFoundError."""
+    import importlib
+
+    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(init_file)))
+    _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != root]
+    del _sys.modules[name]
+    _sys.modules[name] = importlib.import_module(name)
+
+
 _unshadow_checkout()

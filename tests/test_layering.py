@@ -69,9 +69,9 @@ def _module_imports(folder: str) -> set[str]:
 
 
 def test_radix_imports_only_stdlib_and_itself():
-    for name in _module_imports("radix"):
+    for name in _module_imports("radix"):  # and radixlm's own stdlib-only __init__ (the checkout guard)
         top = name.split(".")[0]
-        assert top in sys.stdlib_module_names or name.startswith("radixlm.radix"), name
+        assert top in sys.stdlib_module_names or name.startswith("radixlm.radix") or name == "radixlm", name
 
 
 @pytest.mark.parametrize("folder,forbidden", [
@@ -104,3 +104,18 @@ def test_cli_choices_match_registries():
         attention_backend_choices()
     )
     assert tuple(fields["radix_eviction_policy"].metadata["choices"]) == tuple(EVICTION_POLICIES)
+
+
+@pytest.mark.parametrize("folder", sorted(FOLDERS))
+def test_a_checkout_root_on_sys_path_shadows_no_top_level_package(folder):
+    """``python -c`` run in the checkout puts its root first on sys.path; ``import kernels``
+    (Hugging Face's package, which transformers >= 5.25 imports before radixlm is) and the
+    other folder names must then resolve as without the checkout: to the installed
+    top-level package, or to ModuleNotFoundError, never to the radixlm folder."""
+    code = (f"import importlib, sys\ntry:\n    m = importlib.import_module({folder!r})\n"
+            "except ModuleNotFoundError:\n    print('none')\nelse:\n    print(m.__file__)\n")
+    want = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == want.stdout, f"from the checkout root, import {folder} gave {got.stdout!r}"
+    assert str(ROOT / folder) not in got.stdout
