@@ -10,8 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-import radixlm  # noqa: F401  # first: takes the checkout root off sys.path (radixlm/__init__.py)
-
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:

@@ -112,8 +112,9 @@ def test_a_checkout_root_on_sys_path_shadows_no_top_level_package(folder):
     (Hugging Face's package, which transformers >= 5.25 imports before radixlm is) and the
     other folder names must then resolve as without the checkout: to the installed
     top-level package, or to ModuleNotFoundError, never to the radixlm folder."""
-    code = (f"import importlib, sys\ntry:\n    m = importlib.import_module({folder!r})\n"
-            "except ModuleNotFoundError:\n    print('none')\nelse:\n    print(m.__file__)\n")
+    code = (f"import importlib, sys\nbefore = list(sys.path)\ntry:\n    m = importlib.import_module({folder!r})\n"
+            "except ModuleNotFoundError:\n    print('none')\nelse:\n    print(m.__file__)\n"
+            "assert sys.path == before, (before, sys.path)\n")  # the checkout root stays: files beside a script
     want = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
     got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert got.returncode == 0, got.stderr
