@@ -241,6 +241,8 @@ def shape_runs(q, pools: dict, table, seq, scale, probe: list, prod: list, kerne
         "bf16": lambda: decode_attention(q, k, v, table, seq, scale),
         "fp8": lambda: decode_attention(q, k8, v8, table, seq, scale, k_scale=ks, v_scale=vs),
     }
+    if "fp8t" in pools:  # V pages channel-major
+        runs["fp8t"] = lambda: decode_attention(q, k8, pools["fp8t"][1], table, seq, scale, k_scale=ks, v_scale=vs)
     if memory_bound:
         k64, v64, q64 = (x[..., : dim // 2].contiguous() for x in (k, v, q))
         runs["bf16_d64"] = lambda: decode_attention(q64, k64, v64, table, seq, scale)
@@ -256,7 +258,7 @@ def shape_runs(q, pools: dict, table, seq, scale, probe: list, prod: list, kerne
     for pool, bn, w, st, pps, ahead, *regs in prod:
         cfg = DecodeConfig(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps, pages_ahead=ahead,
                            max_registers=regs[0] if regs else None)  # fmt: skip
-        kk, vv, a, c = (k, v, None, None) if pool == "bf16" else (k8, v8, ks, vs)
+        kk, vv, a, c = (k, v, None, None) if pool == "bf16" else pools[pool]
         runs[f"prod:{pool}:n{bn}w{w}s{st}p{pps}{'a' if ahead else ''}{f'r{regs[0]}' if regs else ''}"] = (
             lambda kk=kk, vv=vv, a=a, c=c, cfg=cfg: decode_attention(
                 q, kk, vv, table, seq, scale, config=cfg, k_scale=a, v_scale=c))  # fmt: skip
@@ -296,7 +298,8 @@ def main() -> None:
     for i in range(0, pages, 4096):
         k8[i : i + 4096] = reference.quantize_fp8(k[i : i + 4096], ks)
         v8[i : i + 4096] = reference.quantize_fp8(v[i : i + 4096], vs)
-    pools = {"bf16": (k, v), "fp8": (k8, v8, ks, vs)}
+    v8t = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # [P, K, D, S] in memory
+    pools = {"bf16": (k, v), "fp8": (k8, v8, ks, vs), "fp8t": (k8, v8t, ks, vs)}
     timer = Timer(device, budget_s=0.5 if not smoke else 0.01)
     scale = dim**-0.5
     results: dict = {"device": torch.cuda.get_device_name() if not smoke else "cpu", "rows": [], "kernels": {},
@@ -304,7 +307,8 @@ def main() -> None:
     probe, prod = parse_variants(args.probe_variants), parse_variants(args.prod_variants)
     if smoke:
         probe = [(m, 16, 4, 2, 4) for m in MODES]
-        prod = [("bf16", 16, 4, 2, 4, True), ("fp8", 16, 2, 3, 4, True), ("fp8", 16, 2, 3, 4, False)]
+        prod = [("bf16", 16, 4, 2, 4, True), ("fp8", 16, 2, 3, 4, True), ("fp8", 16, 2, 3, 4, False),
+                ("fp8t", 16, 1, 3, 8, True)]
     for batch, ctx in ([] if args.ncu else [check]) + shapes:
         need = -(-ctx // page)
         perm = torch.randperm(pages - 1, generator=gen)[: batch * need] + 1

@@ -91,16 +91,20 @@ DECODE_VARIANTS = [
 EXTEND_VARIANTS = [
     ("fp8_e4m3", {"fp8_compute": "q"}), ("fp8_e4m3", {"num_stages": 2}),
     ("fp8_e4m3", {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}),
-    ("fp8_e4m3", {"block_n": 64}),
+    ("fp8_e4m3", {"block_n": 64}), ("fp8_e4m3", {"block_n": 32}), ("fp8_e4m3", {"num_warps": 4}),
+    ("fp8_e4m3", {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}),
+    ("fp8_e4m3", {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}),
+    ("fp8_e4m3", {"block_m": 64, "block_n": 64, "num_warps": 2, "num_stages": 3}),
     ("int4", {"block_n": 128, "num_stages": 3}), ("int4", {"block_n": 128}), ("int4", {"num_stages": 3}),
     ("int4", {"block_m": 64, "block_n": 64, "num_warps": 4}), ("int4", {"block_m": 64}),
 ]
 MIXED_WINDOW = 2  # mixed: FP8 pages per sequence besides its first (sink) page
 
 
-def make_pools(num_tokens: int, device: torch.device, gen: torch.Generator):
+def make_pools(num_tokens: int, device: torch.device, gen: torch.Generator, row_major_v: bool = False):
     """bf16 pools of random K/V (scale ~1, a few outlier channels like real keys), their
-    FP8 copies and per-head scales (absmax * 2 / 448, as the calibration picks)."""
+    FP8 copies (V channel-major as KVPool keeps it, or row-major with ``row_major_v``) and
+    per-head scales (absmax * 2 / 448, as the calibration picks)."""
     pages = -(-num_tokens // PAGE) + 1
     shape = (pages, PAGE, KV_HEADS, HEAD_DIM)
     k = torch.randn(shape, device=device, dtype=BASE["dtype"], generator=gen)
@@ -109,7 +113,7 @@ def make_pools(num_tokens: int, device: torch.device, gen: torch.Generator):
     k_scale = k.float().abs().amax(dim=(0, 1, 3)) * 2 / 448
     v_scale = v.float().abs().amax(dim=(0, 1, 3)) * 2 / 448
     k8 = torch.empty(shape, device=device, dtype=FP8)
-    v8 = torch.empty(shape, device=device, dtype=FP8)
+    v8 = torch.empty(shape, device=device, dtype=FP8) if row_major_v else reference.channel_major_pool(shape, device)
     for i in range(0, pages, 4096):  # chunked: the float32 temporaries of a whole pool are large
         k8[i : i + 4096] = reference.quantize_fp8(k[i : i + 4096], k_scale)
         v8[i : i + 4096] = reference.quantize_fp8(v[i : i + 4096], v_scale)
@@ -351,6 +355,8 @@ def main() -> None:
     ap.add_argument("--variant-pools", default="base,fp8_e4m3,int4,mixed",
                     help="time the launch variants of these pools only ('' = none)")  # fmt: skip
     ap.add_argument("--skip-store", action="store_true", help="no store_kv rows")
+    ap.add_argument("--row-major-fp8-v", action="store_true",
+                    help="the fp8_e4m3 pool's V row-major (the layout before 2026-12-04), for comparison")  # fmt: skip
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -369,10 +375,11 @@ def main() -> None:
     t0 = time.time()
     timer = Timer(device, budget_s=0.25)
     pool_tokens = max([b * c for b, c in decode_shapes] + [b * (p + n) for b, p, n in extend_shapes]) + 64 * PAGE
-    pools, num_pages = make_pools(pool_tokens, device, gen)
+    pools, num_pages = make_pools(pool_tokens, device, gen, args.row_major_fp8_v)
     cpu_gen = torch.Generator().manual_seed(1)
     name = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(device)
-    report: dict = {"device": name, "torch": torch.__version__, "base_dtype": BASE["name"]}
+    report: dict = {"device": name, "torch": torch.__version__, "base_dtype": BASE["name"],
+                    "fp8_v": "row-major" if args.row_major_fp8_v else "channel-major"}
     import triton
 
     report["triton"] = triton.__version__

@@ -10,7 +10,7 @@ head, D head dim, P pages, S page size, Pmax pages per request, N splits per req
 Layout::
 
     q               [B, H, D]     any strides, last dim contiguous
-    k_pool, v_pool  [P, S, K, D]  last dim contiguous
+    k_pool, v_pool  [P, S, K, D]  last dim contiguous (FP8 V: or channel-major, below)
     page_table      [B, Pmax]     int32; key t of request b is in page page_table[b, t // S]
     seq_lens        [B]           int32, >= 1
     out             [B, H, D]     q's dtype
@@ -55,11 +55,20 @@ multiplied by s_v once (sum_j p_j v8_j s_v = s_v sum_j p_j v8_j). Half the bytes
 per key; the dequantisation costs one convert per element, to fp16 by default
 (``DecodeConfig.fp8_compute``: the dots then run in fp16 whatever q's dtype). The convert
 is not what held FP8 back (bench/fp8_decode_probe.py: a bit-operation convert was slower,
-QK^T on FP8 tensor cores no faster): it was K/V loads left waiting on each tile's
-page-table load. FP8 launches load the page-table entries one tile ahead
-(``DecodeConfig.pages_ahead``) with 3 stages and small tiles on 1-2 warps, so more loads
-are in flight per SM (1.49-1.62x bf16 pages at batch 32-128 on the H200 across runs; bf16
-pages of half the head dim, the same bytes, take 0.52-0.58 of bf16).
+QK^T on FP8 tensor cores no faster). First it was K/V loads left waiting on each tile's
+page-table load: FP8 launches load the page-table entries one tile ahead
+(``DecodeConfig.pages_ahead``) with 3 stages and small tiles on 1-2 warps. Then it was
+instruction issue (ncu: 71% of DRAM bandwidth, 12.5% occupancy, 337M instructions against
+bf16's 260M): the P @ V dot takes V as its B operand with the keys as the reduction dim,
+and row-major 8-bit V has them strided, so each thread gathered its operand bytes one by
+one from shared memory (128 ``LDS.U8`` per thread per 32-key tile in the sm_90a build).
+FP8 V pools are therefore stored channel-major (``reference.channel_major``: [P, K, D, S] in
+memory, which ``KVPool`` allocates): ``_channel_major_v`` loads a V tile as whole pages
+[NP, S, D] with a page's keys contiguous, 16-byte copies whose shared-memory tile the dot
+reads as vectors. The slots past the last key of a request's last page are read and
+weighted 0, so they must hold finite values: the pool is zero-filled and stores clamp. H200,
+32 x 32K keys: 535 us against bf16 pages' 995 (1.86x; row-major FP8 pages 1.52x; bf16 pages
+of half the head dim, the same bytes, 582).
 
 Tiered pools (int4 / mixed, ``TieredPages``; docs/ARCHITECTURE.md "Quantised KV cache"):
 the k/v pools are the FP8 slots [F, S, K, D] and each logical page is either in the slot
@@ -104,7 +113,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.reference import Sink
+from radixlm.kernels.reference import Sink, channel_major
 
 __all__ = ["FP8_DECODE_CONFIG", "FP8_LARGE_BATCH_DECODE_CONFIG", "TIERED_DECODE_CONFIG", "DecodeConfig",
            "DecodeWorkspace", "TieredPages", "decode_attention", "decode_num_splits", "default_decode_config"]
@@ -138,17 +147,18 @@ class DecodeConfig:
     max_registers: int | None = None
 
 
-# FP8 pages (fp16 dots). H200, 8 kv heads, D 128, 2026-12-02 (bench/fp8_decode_probe.py):
-# page-table entries one tile ahead + 3 stages let the pipeliner keep the K/V loads in
-# flight; 64-key tiles on 2 warps are the best or close to it up to batch 16, and 32-key
-# tiles on 1 warp with up to 8 programs per SM from batch 32 (more programs in flight, ~100
-# registers each). Batch 32 x 32K keys: 657 us (bf16 pages 989 us, 1.51x; 64 keys / 2
-# warps 695 us; the old 128 keys / 4 warps / 2 stages 841 us); 128 x 8K 637 us (bf16 1033);
-# 8 x 8K 57 us with 64 keys / 2 warps (59 with the large-batch config; bf16 80). The only
-# shape where 128-key tiles on 4 warps win is batch 1 at 2K keys (13.4 vs 14.9 us).
+# FP8 pages (fp16 dots, channel-major V). H200, 8 kv heads, D 128, 2026-12-04
+# (bench/fp8_decode_probe.py, production kernel on channel-major V): 64-key tiles on 1 warp,
+# 3 stages, 8 programs per SM from batch 32: 32 x 32K keys 535 us (bf16 pages 995 us, 1.86x;
+# 32-key tiles 582, 128-key tiles on 2 warps 535, 64 keys on 2 warps / 4 programs 629);
+# 64 x 16K 535 (bf16 989), 128 x 8K 525 (bf16 987), 32 x 8K 152 (bf16 265). Below batch 32
+# the 2-warp config is as good or better: 1 x 2K 13.9 us (1 warp 16.1; bf16 15.3), 8 x 8K 56
+# (bf16 81), 16 x 8K 95 (bf16 143; 1 warp / 4 stages 87). Row-major V pages (the layout
+# before 2026-12-04) took 649 us at 32 x 32K with 32-key tiles on 1 warp, and 1022 us with
+# this large-batch config.
 FP8_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, pages_ahead=True)
 FP8_LARGE_BATCH_DECODE_CONFIG = DecodeConfig(
-    block_n=32, num_warps=1, num_stages=3, programs_per_sm=8, pages_ahead=True
+    block_n=64, num_warps=1, num_stages=3, programs_per_sm=8, pages_ahead=True
 )
 FP8_LARGE_BATCH = 32  # requests per decode step from which FP8_LARGE_BATCH_DECODE_CONFIG is used
 # Tiered pools (int4 / mixed; ``_decode_tiered_kernel``). H200, batch 32, 8 kv heads, D 128
@@ -205,6 +215,28 @@ def _tile_slots(FSlot, pages, n0, key_end, BLOCK_N: tl.constexpr, STEP: tl.const
     slot -> K/V is a chain of dependent loads."""
     first = n0 + tl.arange(0, BLOCK_N // STEP) * STEP
     return tl.load(FSlot + pages, mask=first < key_end, other=-2).to(tl.int64)
+
+
+@triton.jit
+def _channel_major_v(
+    v_base, page_row, n0, key_end, stride_vp,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, STEP: tl.constexpr,
+):  # fmt: skip
+    """The V tile [BLOCK_N, D] of keys n0 .. n0 + BLOCK_N (n0 a multiple of BLOCK_N) of a
+    channel-major FP8 pool (``channel_major``; ``v_base`` = pool + kv head offset). Loaded as
+    [NP, STEP, D] (``_tile_pages``: STEP = min(S, BLOCK_N) keys per page of the tile), the keys
+    of a page contiguous, then reshaped. Whole pages past key_end read 0; the slots past
+    key_end inside the last page are read (finite: the pool is zero-filled and stores clamp),
+    so the caller's probabilities for them must be 0."""
+    pages = _tile_pages(page_row, n0, key_end, BLOCK_N, PAGE_SIZE, STEP)  # [NP]
+    offs = tl.arange(0, STEP)
+    if STEP < PAGE_SIZE:  # the tile is part of one page
+        offs = tl.multiple_of(n0 % PAGE_SIZE, STEP) + offs
+    first = n0 + tl.arange(0, BLOCK_N // STEP) * STEP
+    dims = tl.arange(0, HEAD_DIM)
+    ptr = v_base + pages[:, None, None] * stride_vp + offs[None, :, None] + dims[None, None, :] * PAGE_SIZE
+    v = tl.load(ptr, mask=(first < key_end)[:, None, None], other=0.0)  # [NP, STEP, D]
+    return tl.reshape(v, (BLOCK_N, HEAD_DIM))
 
 
 @triton.jit
@@ -408,7 +440,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
     CENTER: tl.constexpr, PAGES_AHEAD: tl.constexpr, SAME_STRIDES: tl.constexpr,
-    HAS_SINK: tl.constexpr,
+    HAS_SINK: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr, VSTEP: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -456,7 +488,7 @@ def _decode_split_kernel(
             ahead = keys + BLOCK_N
             page = tl.load(page_row + ahead // PAGE_SIZE, mask=ahead < end, other=0).to(tl.int64)
             k_off_next = page * stride_kp + (ahead % PAGE_SIZE) * stride_ks
-            if SAME_STRIDES:  # one offset vector for both pools (fewer live registers)
+            if SAME_STRIDES or V_CHANNEL_MAJOR:  # one offset vector for both pools (fewer live registers)
                 v_off = k_off
             else:
                 v_off = v_off_next
@@ -475,7 +507,10 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [Hb, Nb]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if V_CHANNEL_MAJOR:
+            v = _channel_major_v(v_base, page_row, n0, end, stride_vp, BLOCK_N, HEAD_DIM, PAGE_SIZE, VSTEP)
+        else:
+            v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT == 1:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -674,7 +709,8 @@ def _check_inputs(
 ) -> None:
     assert q.dim() == 3 and q.stride(-1) == 1, (q.shape, q.stride())
     assert k_pool.dim() == 4 and k_pool.shape == v_pool.shape, (k_pool.shape, v_pool.shape)
-    assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1, "pools: last dim contiguous"
+    assert k_pool.stride(-1) == 1, "k pool: last dim contiguous"
+    assert v_pool.stride(-1) == 1 or channel_major(v_pool), "v pool: last dim contiguous, or channel-major FP8"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert k_pool.dtype == v_pool.dtype, (k_pool.dtype, v_pool.dtype)
     assert k_pool.dtype in (q.dtype, torch.float8_e4m3fn), (q.dtype, k_pool.dtype)
@@ -749,7 +785,7 @@ def decode_attention(
         assert k_scale is not None, "v_mean goes with an FP8 pool"
         assert v_mean.shape == (k_pool.shape[2], q.shape[2]) and v_mean.is_contiguous(), v_mean.shape
         assert v_mean.dtype == torch.float32 and v_mean.device == q.device, v_mean.dtype
-    _check_tiered(k_pool, tiered)
+    _check_tiered(k_pool, v_pool, tiered)
     config = config or default_decode_config(k_pool.dtype, tiered is not None, q.shape[0])
     assert tiered is None or config.block_n >= 16, config  # the tiered dots need >= 16 keys
     batch, num_heads, head_dim = q.shape
@@ -786,10 +822,12 @@ def _check_sink(sink: Sink | None, k_pool: torch.Tensor, k_scale: torch.Tensor |
     assert sink.slots.dtype == torch.int32 and tuple(sink.slots.shape) == (batch,), sink.slots.shape
 
 
-def _check_tiered(k_pool: torch.Tensor, tiered: TieredPages | None) -> None:
-    """A tiered pool's INT4 tensors: contiguous, shapes matching the FP8 slots' [F, S, K, D]."""
+def _check_tiered(k_pool: torch.Tensor, v_pool: torch.Tensor, tiered: TieredPages | None) -> None:
+    """A tiered pool's INT4 tensors: contiguous, shapes matching the FP8 slots' [F, S, K, D]
+    (row-major V slots)."""
     if tiered is None:
         return
+    assert v_pool.stride(-1) == 1, "tiered pools: V slots row-major"
     _, page_size, num_kv_heads, head_dim = k_pool.shape
     assert k_pool.dtype == torch.float8_e4m3fn, k_pool.dtype
     assert head_dim >= 32, head_dim  # the kernels' dots run on halves of the head dim
@@ -880,6 +918,7 @@ def _launch(
         split = _decode_split_kernel[grid](
             q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales, *sink_args,
             scale * LOG2E, num_splits, *strides, HAS_SINK=sink is not None,
+            V_CHANNEL_MAJOR=channel_major(v_pool), VSTEP=min(page_size, config.block_n),
             QUANT=int(k_scale is not None),
             F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute),
             PAGES_AHEAD=config.pages_ahead, SAME_STRIDES=k_pool.stride() == v_pool.stride(),

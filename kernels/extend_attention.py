@@ -87,7 +87,14 @@ the decode kernel, the dots run in fp16 whatever the dtype of 16-bit queries
 K/V tiles converted e4m3 -> f16 in registers, one hardware convert per two values; for
 bf16 q the "q" setting's e4m3 -> f16 -> f32 -> bf16 costs three), the K scale is folded
 into the softmax scale and the V scale multiplies the output once (a program serves one
-query head, hence one kv head: both scales are scalars).
+query head, hence one kv head: both scales are scalars). Channel-major FP8 V pools
+(``reference.channel_major``, what ``KVPool`` allocates; decode's reason) are read as whole
+pages with ``_channel_major_v``; the causal tiles then read V slots a row does not see,
+weighted 0. That costs the Hopper (wgmma) build here: the tile's 8-bit shared-memory copy
+is read back with 8-way bank conflicts (the warp spans 8 pages 2 KB apart). H200, 4 x
+2048 new tokens over 8K cached: 4.74 ms against 4.10 ms with row-major V (+16%; bf16 3.32
+ms), 8 x 256 over 2K: 322 vs 280 us; a plain prefill (4 x 2048) is unchanged, 553 vs 554 us
+(bench/kv_speed_gpu.py --row-major-fp8-v, 2026-12-04).
 
 Tiered pools (int4 / mixed, ``TieredPages``): ``_extend_tiered_kernel``, the same grid and
 key walk (unmasked tiles, then causal diagonal tiles) on head-dim halves, with decode's
@@ -117,6 +124,7 @@ import triton.language as tl
 from radixlm.kernels.decode_attention import (
     DecodeWorkspace,
     TieredPages,
+    _channel_major_v,
     _check_scales,
     _check_sink,
     _check_tiered,
@@ -134,7 +142,7 @@ from radixlm.kernels.decode_attention import (
     _tiled_step,
     _value_group,
 )
-from radixlm.kernels.reference import Sink
+from radixlm.kernels.reference import Sink, channel_major
 
 __all__ = [
     "ExtendConfig",
@@ -303,7 +311,7 @@ def _attend_tile(
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base, key_lo,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     SCALE_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, NO_LOOKUP: tl.constexpr,
-    QUANT: tl.constexpr, SAFE: tl.constexpr,
+    QUANT: tl.constexpr, SAFE: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr, VSTEP: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of keys starting at n0: online-softmax update of (acc, m_i, l_i).
 
@@ -312,7 +320,9 @@ def _attend_tile(
     NO_LOOKUP (measurement probe): page = page_base + key // PAGE_SIZE, no page-table load.
     SAFE: a row may have seen no key yet (m_i and the tile's max both -inf, as in a key
     split that starts past the row's position): subtract 0 instead of -inf (no NaN); the
-    row keeps l_i = 0. MASKED tiles also hide keys < key_lo (1: key 0 is the exact sink's)."""
+    row keeps l_i = 0. MASKED tiles also hide keys < key_lo (1: key 0 is the exact sink's).
+    V_CHANNEL_MAJOR: V from a channel-major FP8 pool (``_channel_major_v``, VSTEP keys per
+    page of the tile)."""
     keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
     dims = tl.arange(0, HEAD_DIM)
     if NO_LOOKUP:
@@ -351,7 +361,9 @@ def _attend_tile(
         p = tl.exp2(s - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
+    if V_CHANNEL_MAJOR:  # whole pages: the probabilities of keys past key_end are 0
+        v = _channel_major_v(v_base, page_row, n0, key_end, stride_vp, BLOCK_N, HEAD_DIM, PAGE_SIZE, VSTEP)
+    elif MASKED:
         v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptr)
@@ -372,6 +384,7 @@ def _extend_kernel(
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     REVERSE_M: tl.constexpr, SCALE_MODE: tl.constexpr, WARP_SPEC: tl.constexpr,
     PROBE: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
+    V_CHANNEL_MAJOR: tl.constexpr, VSTEP: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -428,14 +441,14 @@ def _extend_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, 0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base, lo,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, SCALE_MODE, DOT_PRECISION, False, QUANT, False,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, SCALE_MODE, DOT_PRECISION, False, QUANT, False, V_CHANNEL_MAJOR, VSTEP,
         )  # fmt: skip
         first = BLOCK_N
     for n0 in tl.range(first, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base, 0,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT, False,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT, False, V_CHANNEL_MAJOR, VSTEP,
         )  # fmt: skip
     # Diagonal tiles, masked (PROBE 1, a measurement probe with a wrong result: unmasked).
     for n0 in range(tl.maximum(full_end, first), key_end, BLOCK_N):
@@ -443,7 +456,7 @@ def _extend_kernel(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, key_end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, page_base, 0,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, PROBE != 1, SCALE_MODE, DOT_PRECISION, PROBE == 3, QUANT,
-            False,
+            False, V_CHANNEL_MAJOR, VSTEP,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
@@ -626,6 +639,7 @@ def _extend_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr, F16_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
+    V_CHANNEL_MAJOR: tl.constexpr, VSTEP: tl.constexpr,
 ):  # fmt: skip
     """Grid (M blocks, N splits, B * K). Program: BLOCK_M new tokens x the G query heads of
     one kv head (rows r = token * GROUP_PAD + head), keys [start, end) of one split of the
@@ -675,21 +689,21 @@ def _extend_split_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, start, end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0, lo,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True, V_CHANNEL_MAJOR, VSTEP,
         )  # fmt: skip
         start = start + BLOCK_N
     for n0 in range(start, tl.minimum(end, full_end), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0, 0,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, False, 1, DOT_PRECISION, False, QUANT, False, V_CHANNEL_MAJOR, VSTEP,
         )  # fmt: skip
     # Diagonal tiles (and the split's partial last tile): causal mask; a row may see none.
     for n0 in range(tl.maximum(start, full_end), end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, page_row, n0, end, rows_pos,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale_log2, 0, 0,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, 1, DOT_PRECISION, False, QUANT, True, V_CHANNEL_MAJOR, VSTEP,
         )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -715,7 +729,8 @@ def _check_inputs(
 ) -> None:
     assert q.dim() == 3 and q.stride(-1) == 1, (q.shape, q.stride())
     assert k_pool.dim() == 4 and k_pool.shape == v_pool.shape, (k_pool.shape, v_pool.shape)
-    assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1, "pools: last dim contiguous"
+    assert k_pool.stride(-1) == 1, "k pool: last dim contiguous"
+    assert v_pool.stride(-1) == 1 or channel_major(v_pool), "v pool: last dim contiguous, or channel-major FP8"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert k_pool.dtype == v_pool.dtype, (k_pool.dtype, v_pool.dtype)
     assert k_pool.dtype in (q.dtype, torch.float8_e4m3fn), (q.dtype, k_pool.dtype)
@@ -783,7 +798,7 @@ def extend_attention(
     _check_scales(k_pool, k_scale, v_scale)
     _check_sink(sink, k_pool, k_scale, page_table.shape[0])
     assert sink is None or tiered is None, "the exact sink is for FP8 pools, not tiered ones"
-    _check_tiered(k_pool, tiered)
+    _check_tiered(k_pool, v_pool, tiered)
     max_seq_len = page_table.shape[1] * k_pool.shape[1]  # bound on keys per request
     split_config = split_config or default_split_config(q.device)
     if tiered is not None:
@@ -866,7 +881,8 @@ def _launch(
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales,
         *((prefix_lens,) * 3 if sink is None else sink), scale * LOG2E, *strides, HAS_SINK=sink is not None,
         SCALE_MODE=_SCALE_MODES[config.scale_mode], WARP_SPEC=config.warp_specialize, PROBE=probe,
-        QUANT=int(k_scale is not None), F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute), **common,
+        QUANT=int(k_scale is not None), F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute),
+        V_CHANNEL_MAJOR=channel_major(v_pool), VSTEP=min(k_pool.shape[1], config.block_n), **common,
     )  # fmt: skip
 
 def _launch_split(
@@ -905,6 +921,7 @@ def _launch_split(
         BLOCK_N=config.block_n, HEAD_DIM=head_dim, PAGE_SIZE=k_pool.shape[1],
         DOT_PRECISION=_dot_precision(q.dtype), QUANT=int(k_scale is not None),
         F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute), HAS_SINK=sink is not None,
+        V_CHANNEL_MAJOR=channel_major(v_pool), VSTEP=min(k_pool.shape[1], config.block_n),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     merge = _decode_merge_kernel[(num_tokens, num_heads)](

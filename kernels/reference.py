@@ -10,6 +10,9 @@ KV layout, one layer (see ``radixlm.runtime.memory_pool``)::
     logical position t of request b  ->  page page_table[b, t // S], slot t % S
     flat slot id                     ->  page * S + slot   (index into k_pool.view(-1, K, D))
 
+An FP8 V pool is stored channel-major (``channel_major``): [P, K, D, S] in memory, the same
+[P, S, K, D] tensor to index, with other strides.
+
 Extend attention with a cached prefix (one request, causal, bottom-right aligned)::
 
     keys:     0 ........... prefix_len ................. L-1
@@ -54,6 +57,29 @@ __all__ = [
 IntList = Sequence[int] | torch.Tensor
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+def channel_major(v_pool: torch.Tensor) -> bool:
+    """Whether ``v_pool`` [P, S, K, D] is an FP8 V pool stored channel-major: [P, K, D, S] in
+    memory (strides (K*D*S, 1, D*S, S); ``channel_major_pool`` makes one), with a page size
+    that is a power of two >= 2."""
+    _, page_size, _, head_dim = v_pool.shape
+    return (v_pool.dtype == torch.float8_e4m3fn and page_size >= 2 and page_size & (page_size - 1) == 0
+            and v_pool.stride()[1:] == (1, head_dim * page_size, page_size))
+
+
+def channel_major_pool(shape: tuple[int, int, int, int], device: torch.device | str) -> torch.Tensor:
+    """A zero-filled float8_e4m3fn V pool of logical shape [P, S, K, D] stored channel-major
+    ([P, K, D, S] in memory; S a power of two >= 2): each page holds, per kv head and channel,
+    its S values side by side. The decode and extend kernels then load a V tile's keys as
+    contiguous bytes, so the P @ V dot's 8-bit operand needs no per-byte shared-memory loads
+    (on the H200 at 32 x 32K keys: 1.86x bf16 pages against 1.52x row-major; BENCHMARKS.md).
+    Zero-filled because the kernels read whole pages of V: slots past a request's last key are
+    weighted 0 and must hold finite values (``store_kv`` clamps to +-448)."""
+    num_pages, page_size, num_kv_heads, head_dim = shape
+    assert page_size >= 2 and page_size & (page_size - 1) == 0, page_size
+    pool = torch.zeros((num_pages, num_kv_heads, head_dim, page_size), dtype=torch.float8_e4m3fn, device=device)
+    return pool.permute(0, 3, 1, 2)
 
 
 def quantize_fp8(
@@ -193,8 +219,10 @@ def store_kv(
         k, v = quantize_fp8(k, k_scale, k_mean), quantize_fp8(v, v_scale, v_mean)
     else:
         assert k_mean is None and v_mean is None, "channel means go with FP8 scales"
-    k_pool.view(-1, num_kv_heads, head_dim)[out_slots] = k.to(k_pool.dtype)  # [P*S, K, D]
-    v_pool.view(-1, num_kv_heads, head_dim)[out_slots] = v.to(v_pool.dtype)
+    page_size = k_pool.shape[1]
+    pages, offsets = out_slots // page_size, out_slots % page_size  # any pool strides (channel-major V)
+    k_pool[pages, offsets] = k.to(k_pool.dtype)
+    v_pool[pages, offsets] = v.to(v_pool.dtype)
 
 
 def gather_kv(

@@ -9,7 +9,9 @@ Dimension letters: T new tokens, K kv heads, D head dim, P pages, S page size.
 Layout::
 
     k, v            [T, K, D]     any strides, last dim contiguous (views of the qkv output)
-    k_pool, v_pool  [P, S, K, D]  last dim contiguous
+    k_pool, v_pool  [P, S, K, D]  K's last dim contiguous; V's too, or an FP8 V pool stored
+                                  channel-major ([P, K, D, S] in memory,
+                                  ``reference.channel_major``)
     out_slots       [T] int64     flat slot = page * S + offset
     token t  ->  k_pool[out_slots[t] // S, out_slots[t] % S, :, :]
 
@@ -34,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.reference import channel_major
+
 __all__ = ["store_kv"]
 
 
@@ -41,7 +45,7 @@ __all__ = ["store_kv"]
 def _store_kv_kernel(
     K, V, KPool, VPool, Slots, KScale, VScale, KMean, VMean,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk, stride_vd,
     NUM_KV_HEADS: tl.constexpr, BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr, CENTER: tl.constexpr,
 ):  # fmt: skip
@@ -68,12 +72,12 @@ def _store_kv_kernel(
     k_dst = KPool + page * stride_kp + offset * stride_ks + heads[:, None] * stride_kk
     v_dst = VPool + page * stride_vp + offset * stride_vs + heads[:, None] * stride_vk
     tl.store(k_dst + dims[None, :], k.to(KPool.dtype.element_ty), mask=mask)
-    tl.store(v_dst + dims[None, :], v.to(VPool.dtype.element_ty), mask=mask)
+    tl.store(v_dst + dims[None, :] * stride_vd, v.to(VPool.dtype.element_ty), mask=mask)
 
 
 def _check_pool(pool: torch.Tensor, name: str) -> None:
     assert pool.dim() == 4, f"{name} must be [P, S, K, D], got {tuple(pool.shape)}"
-    assert pool.stride(-1) == 1, f"{name} last dim must be contiguous"
+    assert pool.stride(-1) == 1 or (name == "v_pool" and channel_major(pool)), f"{name} last dim must be contiguous"
     assert pool.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn), pool.dtype
 
 
@@ -130,7 +134,7 @@ def store_kv(
         k_mean if center else out_slots, v_mean if center else out_slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), v_pool.stride(3),
         NUM_KV_HEADS=num_kv_heads, BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, QUANT=quant, CENTER=center,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,

@@ -22,7 +22,10 @@ KV cache dtypes (``--kv-cache-dtype``, ``KV_CACHE_DTYPES``):
                          stored = clamp((x - mean) / scale, +-448) in e4m3, read =
                          stored * scale; attention over centred keys equals attention over
                          the keys (softmax shift), over centred values it is the output
-                         minus v_mean (``add_v_mean`` puts it back)
+                         minus v_mean (``add_v_mean`` puts it back). v[P, S, K, D] is
+                         stored channel-major ([P, K, D, S] in memory, zero-filled;
+                         ``reference.channel_major_pool``: the kernels' P @ V operand
+                         loads as contiguous bytes) when the page size is a power of two
     int4 / mixed         tiered: every logical page owns an INT4 page (KIVI: keys per channel
                          within the page, values per token in groups of G along D, asymmetric,
                          fp16 scale + zero-point, two codes per byte)
@@ -326,7 +329,10 @@ class KVPool:
             self._init_tiered(min(num_fp8_pages or num_pages, num_pages), window_pages)
             shape = (self.num_fp8_pages, page_size, num_kv_heads, head_dim)
         self.k = [self._new(shape) for _ in range(num_layers)]
-        self.v = [self._new(shape) for _ in range(num_layers)]
+        if self.quantised and not self.tiered and page_size >= 2 and page_size & (page_size - 1) == 0:
+            self.v = [reference.channel_major_pool(shape, self.device) for _ in range(num_layers)]
+        else:
+            self.v = [self._new(shape) for _ in range(num_layers)]
         # Exact attention sink (module doc): FP8 pools only (tiered pools keep the sink page FP8).
         if sink_slots < 0:
             raise ValueError(f"sink_slots must be >= 0, got {sink_slots}")

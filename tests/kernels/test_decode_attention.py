@@ -116,7 +116,7 @@ def test_decode_pages_ahead(paged_case, relerr, split_pools) -> None:
 
 def test_default_decode_config_by_pool_and_batch() -> None:
     """bf16 pools: ``DecodeConfig()``; FP8: 64-key tiles on 2 warps below FP8_LARGE_BATCH
-    requests, 32-key tiles on 1 warp from it (both with page-table entries ahead); tiered
+    requests, 64-key tiles on 1 warp from it (both with page-table entries ahead); tiered
     pools their own. The batch size alone decides (a CUDA graph bucket and the eager path
     agree)."""
     assert default_decode_config(torch.bfloat16, batch=128) == DecodeConfig()
@@ -125,7 +125,7 @@ def test_default_decode_config_by_pool_and_batch() -> None:
     assert default_decode_config(torch.float8_e4m3fn, tiered=True, batch=64) == TIERED_DECODE_CONFIG
     assert FP8_DECODE_CONFIG.pages_ahead and FP8_LARGE_BATCH_DECODE_CONFIG.pages_ahead
     assert (FP8_DECODE_CONFIG.block_n, FP8_DECODE_CONFIG.num_warps, FP8_DECODE_CONFIG.num_stages) == (64, 2, 3)
-    assert (FP8_LARGE_BATCH_DECODE_CONFIG.block_n, FP8_LARGE_BATCH_DECODE_CONFIG.num_warps) == (32, 1)
+    assert (FP8_LARGE_BATCH_DECODE_CONFIG.block_n, FP8_LARGE_BATCH_DECODE_CONFIG.num_warps) == (64, 1)
 
 
 def test_num_splits_heuristic() -> None:

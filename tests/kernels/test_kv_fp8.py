@@ -208,3 +208,86 @@ def test_fp8_pool_requires_scales() -> None:
     k8 = case.k_pool.to(FP8)
     with pytest.raises(AssertionError):
         decode_attention(case.q, k8, k8, case.page_table, case.seq_lens, case.scale)
+
+
+def _channel_major_copy(v8: torch.Tensor) -> torch.Tensor:
+    """``v8`` in a channel-major pool (``reference.channel_major_pool``), its never-written
+    (NaN) slots set to the largest finite e4m3 value: the kernels read whole V pages and weight
+    the slots past a request's last key by 0, so a wrong weight shows as a large error."""
+    out = reference.channel_major_pool(tuple(v8.shape), v8.device)
+    out.copy_(v8.float().nan_to_num(reference.FP8_E4M3_MAX).to(FP8))
+    assert reference.channel_major(out) and not reference.channel_major(v8)
+    return out
+
+
+@pytest.mark.parametrize(("page_size", "block_n"), [(4, 16), (16, 16), (16, 32), (32, 16)])
+def test_decode_fp8_channel_major_v_matches_reference(page_size, block_n) -> None:
+    """V pages stored channel-major ([P, K, D, S] in memory): decode reads each tile's V as
+    whole pages (page size 32 > block 16: the tile is half a page) and matches the reference
+    on the row-major pages, with and without page-table entries ahead, one and three splits,
+    and the exact sink."""
+    lens = [1, 7, 38, 75]
+    case, k8, v8, k_scale, v_scale = _fp8_case([(n - 1, 1) for n in lens], 8, 2, 32, page_size, seed=5)
+    v8c = _channel_major_copy(v8)
+    ref = reference.paged_attention(case.q, k8, v8, case.page_table, case.prefix, case.extend,
+                                    case.scale, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    for num_splits in (1, 3):
+        for config in (DecodeConfig(block_n=block_n, num_warps=2, num_stages=1),
+                       DecodeConfig(block_n=block_n, num_warps=1, num_stages=3, pages_ahead=True)):  # fmt: skip
+            out = decode_attention(case.q, k8, v8c, case.page_table, case.seq_lens, case.scale,
+                                   num_splits=num_splits, config=config, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+            assert rel_error(out, ref) < 1e-5, (num_splits, config)
+    gen = torch.Generator().manual_seed(6)
+    sink = reference.Sink(*(torch.randn(2, 2, 32, generator=gen).to(DEVICE) for _ in "kv"),
+                          torch.tensor([1, -1, 0, 1], dtype=torch.int32, device=DEVICE))  # fmt: skip
+    want = reference.paged_decode_attention(case.q, k8, v8, case.page_table, lens, case.scale,
+                                            k_scale, v_scale, sink)  # fmt: skip
+    got = decode_attention(case.q, k8, v8c, case.page_table, case.seq_lens, case.scale, num_splits=3,
+                           config=DecodeConfig(block_n=block_n), k_scale=k_scale, v_scale=v_scale, sink=sink)  # fmt: skip
+    assert rel_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("page_size", "block_n"), [(16, 16), (16, 32), (32, 16)])
+def test_extend_fp8_channel_major_v_matches_reference(page_size, block_n, num_splits) -> None:
+    """Extend over channel-major V pages (one-pass and split-KV kernels) matches the
+    reference on the row-major pages; the causal tiles read V slots of keys a row does not
+    see, weighted 0."""
+    specs = [(0, 19), (13, 5), (40, 33)]
+    case, k8, v8, k_scale, v_scale = _fp8_case(specs, 8, 2, 32, page_size, seed=7)
+    ref = reference.paged_attention(case.q, k8, v8, case.page_table, case.prefix, case.extend,
+                                    case.scale, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    out = extend_attention(case.q, k8, _channel_major_copy(v8), case.page_table, case.cu_extend, case.prefix_lens,
+                           case.scale, max_extend_len=case.max_extend,
+                           config=ExtendConfig(block_m=16, block_n=block_n), k_scale=k_scale, v_scale=v_scale,
+                           num_splits=num_splits,
+                           split_config=ExtendSplitConfig(block_rows=16, block_n=block_n, num_warps=2))  # fmt: skip
+    assert rel_error(out, ref) < 1e-5
+
+
+def test_store_kv_into_a_channel_major_v_pool() -> None:
+    """store_kv (Triton and reference) writes the same bytes into a channel-major V pool as
+    into a row-major one, and the pool keeps its channel-major strides; a fresh channel-major
+    pool is all zeros (finite slots for the kernels' whole-page V reads)."""
+    num_kv_heads, head_dim, page_size = 3, 32, 16
+    shape = (5, page_size, num_kv_heads, head_dim)
+    fresh = reference.channel_major_pool(shape, DEVICE)
+    assert fresh.shape == shape and fresh.stride() == (3 * 32 * 16, 1, 32 * 16, 16)
+    assert bool((fresh.float() == 0).all())
+    gen = torch.Generator().manual_seed(8)
+    slots = torch.tensor([16, 17, 31, 40, 79], device=DEVICE)
+    k, v = (torch.randn(5, num_kv_heads, head_dim, generator=gen).to(DEVICE) for _ in "kv")
+    k_scale, v_scale = _scales(num_kv_heads, 2)
+    rows = {}
+    for name, fn in (("triton", store_kv), ("reference", reference.store_kv)):
+        for layout in ("row", "channel"):
+            k_pool = torch.zeros(shape, dtype=FP8, device=DEVICE)
+            v_pool = torch.zeros(shape, dtype=FP8, device=DEVICE) if layout == "row" else reference.channel_major_pool(
+                shape, DEVICE)  # fmt: skip
+            fn(k_pool, v_pool, k, v, slots, k_scale, v_scale)
+            assert reference.channel_major(v_pool) == (layout == "channel")
+            rows[name, layout] = v_pool.contiguous().view(torch.uint8)
+    assert torch.equal(rows["triton", "row"], rows["triton", "channel"])
+    assert torch.equal(rows["reference", "row"], rows["reference", "channel"])
+    _assert_same_fp8(rows["triton", "channel"].view(FP8), rows["reference", "channel"].view(FP8))
+    assert int((rows["reference", "channel"] != 0).sum()) > 0.9 * 5 * num_kv_heads * head_dim

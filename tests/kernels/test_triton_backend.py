@@ -39,7 +39,10 @@ def _pool(kv_cache_dtype: str = "auto") -> KVPool:
                   *(scales if kv_cache_dtype in ("fp8_e4m3", "int4", "mixed") else (None, None)),
                   window_pages=1)  # fmt: skip
     pool.k[0].fill_(float("nan"))  # slots never written must never be read
-    pool.v[0].fill_(float("nan"))
+    # ... except a channel-major FP8 V pool's (fp8_e4m3): the kernels read whole V pages and
+    # weight the slots past a request's last key by 0, so the pool keeps them finite (zeros;
+    # here the largest e4m3 value, which a nonzero weight would show).
+    pool.v[0].fill_(reference.FP8_E4M3_MAX if reference.channel_major(pool.v[0]) else float("nan"))
     return pool
 
 

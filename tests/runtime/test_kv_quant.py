@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixlm.kernels import reference
 from radixlm.runtime.attention import TorchAttentionBackend
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.kv_calibration import (
@@ -86,6 +87,21 @@ def test_fp8_pages_swap_through_host_memory_bit_for_bit() -> None:
         assert torch.equal(
             pool.v[layer][[1, 3]].view(torch.uint8), pool.v[layer][[2, 5]].view(torch.uint8)
         )
+
+
+def test_fp8_pool_stores_v_channel_major_and_zeroed() -> None:
+    """fp8_e4m3 pools keep V channel-major ([P, K, D, S] in memory, zero-filled: the
+    kernels read whole V pages); other page sizes, tiered and float pools keep V row-major."""
+    pool = KVPool(6, 4, 2, 2, 16, torch.float32, "cpu", "fp8_e4m3", *_scales())
+    for layer in range(2):
+        assert reference.channel_major(pool.v[layer]) and pool.v[layer].stride() == (2 * 16 * 4, 1, 16 * 4, 4)
+        assert bool((pool.v[layer].float() == 0).all())
+        assert pool.k[layer].is_contiguous()
+    others = [KVPool(6, 3, 1, 2, 16, torch.float32, "cpu", "fp8_e4m3", *_scales(1)),
+              KVPool(6, 4, 1, 2, 16, torch.float32, "cpu", "mixed", *_scales(1)),
+              KVPool(6, 4, 1, 2, 16, torch.float32, "cpu")]  # fmt: skip
+    for other in others:
+        assert other.v[0].is_contiguous() and not reference.channel_major(other.v[0])
 
 
 def test_calibration_means_and_scales_of_the_centred_values(tiny_hf_model: Callable) -> None:
