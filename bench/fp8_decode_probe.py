@@ -42,6 +42,10 @@ Usage (H200: ~1-2 minutes)::
     ncu --clock-control none --kernel-name regex:_decode_split_kernel --set full \
         python3 bench/fp8_decode_probe.py --ncu --shapes 32x32768 --out $OUT --prod-variants ''
 
+``--plot RESULT.json [OLD.json]``: no run; draws RESULT.png, decode time per shape of bf16
+pages and FP8 pages (``fp8t``: channel-major V; ``fp8``: row-major), taking the row-major
+FP8 times from OLD.json where given (a run with the earlier defaults).
+
 ``--smoke``: tiny shapes under TRITON_INTERPRET=1 on the CPU (errors only). The runs of
 2026-12-02 and what they found: BENCHMARKS.md ("FP8 decode attention, page-table entries
 ahead").
@@ -265,7 +269,47 @@ def shape_runs(q, pools: dict, table, seq, scale, probe: list, prod: list, kerne
     return runs
 
 
+def plot(result: Path, old: Path | None = None) -> Path:
+    """Grouped bars of the decode time (us) per batch x context: bf16 pages, FP8 row-major V
+    (``fp8``, from ``old`` when given) and FP8 channel-major V (``fp8t``), with the FP8
+    speedups over bf16 written above the bars. Returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads(result.read_text())["rows"]
+    old_rows = {(r["batch"], r["context"]): r["us"] for r in json.loads(old.read_text())["rows"]} if old else {}
+    rows = sorted((r for r in rows if isinstance(r["us"].get("fp8t"), float)), key=lambda r: r["batch"] * r["context"])
+    labels = [f"{r['batch']} x {r['context'] // 1024}K" for r in rows]
+    series = {
+        "bf16 pages": [r["us"]["bf16"] for r in rows],
+        "FP8, row-major V": [old_rows.get((r["batch"], r["context"]), r["us"])["fp8"] for r in rows],
+        "FP8, channel-major V": [r["us"]["fp8t"] for r in rows],
+    }
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.27
+    for i, (name, values) in enumerate(series.items()):
+        xs = [j + (i - 1) * width for j in range(len(rows))]
+        ax.bar(xs, values, width, label=name)
+        if i:
+            for x, v, b in zip(xs, values, series["bf16 pages"], strict=True):
+                ax.text(x, v, f"{b / v:.2f}x", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_xlabel("batch x keys per request")
+    ax.set_ylabel("decode attention, us (lower is better)")
+    ax.set_title("Paged decode attention on an H200: Llama-3-8B heads, page 16 (labels: speedup over bf16)")
+    ax.legend()
+    out = result.with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--plot"]:
+        print(plot(Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
