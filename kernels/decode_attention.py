@@ -148,19 +148,20 @@ class DecodeConfig:
 
 
 # FP8 pages (fp16 dots, channel-major V). H200, 8 kv heads, D 128, 2026-12-04
-# (bench/fp8_decode_probe.py, production kernel on channel-major V): 64-key tiles on 1 warp,
-# 3 stages, 8 programs per SM from batch 32: 32 x 32K keys 535 us (bf16 pages 995 us, 1.86x;
-# 32-key tiles 582, 128-key tiles on 2 warps 535, 64 keys on 2 warps / 4 programs 629);
-# 64 x 16K 535 (bf16 989), 128 x 8K 525 (bf16 987), 32 x 8K 152 (bf16 265). Below batch 32
-# the 2-warp config is as good or better: 1 x 2K 13.9 us (1 warp 16.1; bf16 15.3), 8 x 8K 56
-# (bf16 81), 16 x 8K 95 (bf16 143; 1 warp / 4 stages 87). Row-major V pages (the layout
-# before 2026-12-04) took 649 us at 32 x 32K with 32-key tiles on 1 warp, and 1022 us with
-# this large-batch config.
+# (bench/fp8_decode_probe.py, production kernel on channel-major V). From batch 8
+# (FP8_LARGE_BATCH): 64-key tiles on 1 warp, 3 stages, 8 programs per SM: 32 x 32K keys
+# 535 us (bf16 pages 995 us, 1.86x; 32-key tiles 582, 128-key tiles on 2 warps 535, 64 keys
+# on 2 warps / 4 programs 629); 64 x 16K 535 (bf16 989), 128 x 8K 525 (bf16 987), 32 x 8K
+# 152 (bf16 265), 24 x 16K 223 (2 warps 303, bf16 400), 16 x 32K 279 (323, bf16 506),
+# 16 x 8K 86 (95, bf16 142), 8 x 32K 152 (171, bf16 263), 8 x 8K 54 with 4 stages (56, bf16 81). Below
+# it 64-key tiles on 2 warps: 4 x 8K 36.1 (1 warp 36.7), 2 x 4K 18.3 (20.1), 1 x 2K 13.9
+# (16.1; bf16 15.3). Row-major V pages (the layout before 2026-12-04) took 649 us at
+# 32 x 32K with 32-key tiles on 1 warp, and 1022 us with the 1-warp config above.
 FP8_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, pages_ahead=True)
 FP8_LARGE_BATCH_DECODE_CONFIG = DecodeConfig(
     block_n=64, num_warps=1, num_stages=3, programs_per_sm=8, pages_ahead=True
 )
-FP8_LARGE_BATCH = 32  # requests per decode step from which FP8_LARGE_BATCH_DECODE_CONFIG is used
+FP8_LARGE_BATCH = 8  # requests per decode step from which FP8_LARGE_BATCH_DECODE_CONFIG is used
 # Tiered pools (int4 / mixed; ``_decode_tiered_kernel``). H200, batch 32, 8 kv heads, D 128
 # (bench/kv_speed_gpu.py, 2026-11-30): 32K keys 4724 us (bf16 pages 994 us), 8K 1204 us
 # (263); of its DECODE_VARIANTS only block_n 32 / 2 warps is faster (4293 / 1092 us, with

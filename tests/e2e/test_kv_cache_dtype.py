@@ -16,6 +16,15 @@ PROMPT = "List three facts about the Moon. " * 8  # ~64 tokens
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
+def _model_itemsize(log: str) -> int:
+    """Bytes per element of the model dtype the server logged ('auto': float32 on the CPU,
+    bfloat16 on CUDA)."""
+    for name, size in (("torch.float32", 4), ("torch.bfloat16", 2), ("torch.float16", 2)):
+        if f"model {name}" in log:
+            return size
+    raise AssertionError("the KV pool line names no model dtype")
+
+
 def _twice_and_chat(srv):
     """The same greedy /generate twice (the second reuses the first's pages), then a chat."""
     with srv.client() as c:
@@ -43,8 +52,12 @@ def test_fp8_server_answers_and_shares_fp8_prefix_pages(server_factory, idle_inv
     # 4096 tokens x 30 layers x 3 kv heads x 64 x 2 (K, V) x 1 byte + the dummy page
     # + 720 B of scales + 46,080 B of channel means (30 x 3 x 64 x 2 x float32)
     # + 2,949,120 B of exact sink slots (64 x 30 x 3 x 64 x 2 x float32)
-    # + 32,768 B of key rotation (R and R / D, 64 x 64 x float32 each)
-    assert "4096 tokens, 50398928 bytes" in log and "3028688 bytes of metadata" in log
+    # + the key rotation (R and R / D, 64 x 64 each in the model dtype: float32 on the CPU,
+    # bfloat16 on CUDA)
+    rotation = 2 * 64 * 64 * _model_itemsize(log)
+    metadata = 720 + 46_080 + 2_949_120 + rotation
+    assert f"4096 tokens, {47_370_240 + metadata} bytes" in log
+    assert f"{metadata} bytes of metadata" in log
     assert "exact attention sink, 64 slots" in log
 
 
@@ -73,8 +86,10 @@ def test_mixed_server_answers_reuses_pages_and_logs_its_capacity(server_factory,
         log = srv.log()
     # 257 pages x 120960 B of INT4 pages + statistics, 257 FP8 slot pages (the pool is
     # small: every page may keep one) + 720 B of scales + 46,080 B of channel means
-    # + 4 B per page of slot map + 32,768 B of key rotation
-    assert "4096 tokens, 78537556 bytes" in log and "7560 bytes/token = 0.328 of bf16" in log
+    # + 4 B per page of slot map + the key rotation (as above)
+    rotation = 2 * 64 * 64 * _model_itemsize(log)
+    assert f"4096 tokens, {78_504_788 + rotation} bytes" in log
+    assert "7560 bytes/token = 0.328 of bf16" in log
     assert "257 FP8 slot pages" in log
 
 

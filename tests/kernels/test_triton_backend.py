@@ -46,16 +46,16 @@ def _pool(kv_cache_dtype: str = "auto") -> KVPool:
     return pool
 
 
-def _step(backend, pool: KVPool, batch: ForwardBatch, seed: int) -> torch.Tensor:
+def _step(backend, pool: KVPool, batch: ForwardBatch, seed: int, heads: int = HEADS) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    tokens = batch.num_tokens
-    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(DEVICE)
-    kv = torch.randn(tokens, 2 * KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    tokens, kv_heads, head_dim = batch.num_tokens, pool.num_kv_heads, pool.head_dim
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(DEVICE)
+    kv = torch.randn(tokens, 2 * kv_heads, head_dim, generator=gen).to(DEVICE)
     tables = batch.page_table.tolist()
     writes = list(zip(tables, batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True))
     pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the pages written, then demotion
     backend.prepare(batch, pool)
-    out = backend.forward(q, kv[:, :KV_HEADS], kv[:, KV_HEADS:], 0, batch, pool)
+    out = backend.forward(q, kv[:, :kv_heads], kv[:, kv_heads:], 0, batch, pool)
     pool.end_pass(writes)
     return out
 
@@ -95,6 +95,32 @@ def test_triton_backend_matches_torch_backend(kv_cache_dtype: str) -> None:
         int4 = [p for row in tables for p in row if int(pools["torch"].fp8_slot[p]) < 0]
         assert len(int4) == demoted
         assert torch.equal(pools["triton"].k_codes[0][int4], pools["torch"].k_codes[0][int4])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["mixed", "int4", "fp8_e4m3"])
+def test_triton_backend_reads_a_prefix_another_request_left_in_mixed_pages(kv_cache_dtype: str) -> None:
+    """SmolLM2's attention shape (9 heads on 3 kv heads, D 64) with 16-token pages: request A
+    prefills 57 tokens and decodes 11 (mixed, window 2: its page 1 is demoted to INT4, pages
+    0, 2 and 3 stay FP8), then request B extends 9 tokens over A's first 48 from the radix
+    cache (FP8 sink, INT4, FP8 pages, then its own fresh page). Both backends agree on
+    every pass (a GPU server once gave B another first token on each backend: a near-tie)."""
+    g = torch.Generator().manual_seed(3)
+    scales = (torch.rand(1, 3, generator=g) * 0.02 + 0.005, torch.rand(1, 3, generator=g) * 0.02 + 0.005)
+    pools = {name: KVPool(24, 16, 1, 3, 64, torch.float32, DEVICE, kv_cache_dtype, *scales, window_pages=2)
+             for name in ("torch", "triton")}  # fmt: skip
+    backends = {"torch": TorchAttentionBackend(DEVICE), "triton": TritonAttentionBackend(DEVICE)}
+    if DEVICE == "cpu":  # the interpreter's e4m3 conversion (see above)
+        backends["triton"]._store_kv = reference.store_kv
+    table_a, table_b = [5, 2, 9, 7, 11], [5, 2, 9, 13]
+    passes = [ForwardBatch.build([[1] * 57], [0], [table_a], [56], 16, DEVICE)]
+    passes += [ForwardBatch.build([[2]], [57 + t], [table_a], [0], 16, DEVICE) for t in range(11)]
+    passes.append(ForwardBatch.build([[3] * 9], [48], [table_b], [8], 16, DEVICE))
+    for seed, batch in enumerate(passes):
+        outs = {name: _step(backends[name], pools[name], batch, seed, heads=9) for name in backends}
+        torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
+    if kv_cache_dtype != "fp8_e4m3":
+        int4 = [p for p in table_b[:3] if int(pools["triton"].fp8_slot[p]) < 0]
+        assert int4 == {"mixed": [2], "int4": [5, 2, 9]}[kv_cache_dtype]
 
 
 def test_triton_backend_split_extend_over_a_long_prefix() -> None:
