@@ -11,6 +11,8 @@ USAGE = """usage: radixlm <command> [options]
 commands:
   launch_server   start the HTTP server (see `radixlm launch_server --help`)
   bench           benchmarks: `radixlm bench cache-sim`, `radixlm bench serving` (see --help)
+  calibrate_kv_scales
+                  measure FP8 KV-cache scales and write them for `launch_server --kv-scales-path`
 """
 
 BENCH_USAGE = """usage: radixlm bench <benchmark> [options]
@@ -67,5 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     if command == "bench":
         _bench(rest)
         return
+    if command in ("calibrate_kv_scales", "calibrate-kv-scales"):
+        from radixlm.runtime.kv_calibration import main as calibrate
+
+        sys.exit(calibrate(rest))
     print(f"radixlm: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     sys.exit(2)

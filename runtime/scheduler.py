@@ -28,6 +28,7 @@ from radixlm.radix import RadixTree
 from radixlm.runtime import messages as m
 from radixlm.runtime.grammar import GrammarCache, allows_a_token, grammar_of
 from radixlm.runtime.ipc import MsgSocket
+from radixlm.runtime.kv_calibration import KVScalesError
 from radixlm.runtime.memory_pool import PageAllocator
 from radixlm.runtime.model_runner import ItemResult, ModelRunner, PendingStep
 from radixlm.runtime.prefix_cache import PrefixCache
@@ -485,7 +486,10 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
             runner = ModelRunner(args)
             scheduler = Scheduler(args, runner)
         except Exception as exc:  # report start-up failures instead of dying silently
-            logger.exception("scheduler failed to start")
+            if isinstance(exc, KVScalesError):  # the user's file or model: the message says what
+                logger.error("scheduler failed to start: %s", exc)
+            else:
+                logger.exception("scheduler failed to start")
             send.send(m.SchedulerError(message=f"{type(exc).__name__}: {exc}"))
             time.sleep(0.5)  # linger 0: let the message leave before the socket closes
             return False

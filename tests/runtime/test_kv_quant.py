@@ -25,6 +25,7 @@ from radixlm.runtime.kv_calibration import (
     load_kv_scales,
     save_kv_scales,
 )
+from radixlm.runtime.kv_calibration import main as kv_main
 from radixlm.runtime.memory_pool import KVPool, key_rotation, kv_bytes_per_token
 from radixlm.runtime.model_loader import load_model
 from radixlm.runtime.server_args import ServerArgs
@@ -336,3 +337,32 @@ def test_runner_refuses_to_start_with_unusable_scales(smollm2_dir: str, tmp_path
     assert runner.pool.dtype == FP8 and float(runner.pool.v_scale[29][2]) == pytest.approx(0.02)
     assert float(runner.pool.v_mean[29][2, 63]) == 0.5
     assert runner.pool.bytes_per_token == 30 * 3 * 64 * 2
+
+
+def test_calibrate_kv_scales_command_writes_what_the_server_calibrates(smollm2_dir: str, tmp_path: Path,
+                                                                         capsys) -> None:  # fmt: skip
+    """`radixlm calibrate_kv_scales --out F` writes the scales, channel means and rotation the
+    server measures at start-up (same model, device and dtype), so a server given
+    ``--kv-scales-path F`` builds the same pool; ``--text`` calibrates on other text."""
+    from radixlm.runtime.cli import main as cli
+    from radixlm.runtime.model_runner import ModelRunner
+
+    path = tmp_path / "scales.json"
+    with pytest.raises(SystemExit) as exit_:
+        cli(["calibrate_kv_scales", "--out", str(path), "--model-path", smollm2_dir, "--device", "cpu"])
+    assert exit_.value.code == 0
+    assert "1627 tokens of" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert (doc["num_layers"], doc["num_kv_heads"], doc["head_dim"], doc["k_rotation"]) == (30, 3, 64, "hadamard")
+    base = dict(model_path=smollm2_dir, device="cpu", kv_cache_dtype="fp8_e4m3", max_total_tokens=256)
+    calibrated = ModelRunner(ServerArgs(**base)).pool
+    loaded = ModelRunner(ServerArgs(**base, kv_scales_path=str(path))).pool
+    for name in ("k_scale", "v_scale", "k_mean", "v_mean"):
+        torch.testing.assert_close(torch.stack(getattr(loaded, name)), torch.stack(getattr(calibrated, name)))
+    assert loaded.k_rotation == calibrated.k_rotation == "hadamard"
+
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return [i * i for i in range(x)]\n" * 20)
+    assert kv_main(["--out", str(path), "--model-path", smollm2_dir, "--device", "cpu", "--text", str(text)]) == 0
+    other = load_kv_scales(path, 30, 3, 64)
+    assert not torch.allclose(other.k_scale, torch.stack(calibrated.k_scale).cpu())
