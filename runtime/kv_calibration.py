@@ -259,8 +259,10 @@ def _load_mean(
 def main(argv: list[str] | None = None) -> int:
     """``radixlm calibrate_kv_scales``: load a model as ``launch_server`` does, run
     ``calibrate_kv_scales`` on the bundled text (the server's start-up pass) or on
-    ``--text``, and write the scales file (``save_kv_scales``). Returns 0; a model or text
-    that gives unusable scales exits with status 1 and the KVScalesError's message."""
+    ``--text``, and write the scales file (``save_kv_scales``). Returns 0, or 1 with the
+    message on stderr when the model cannot be loaded, the text is empty or longer than the
+    model's context length, the scales are unusable, or the file cannot be written; an
+    unreadable ``--text`` is a usage error (exit 2)."""
     import argparse
     import logging
 
@@ -286,19 +288,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model dtype of the server that will load the file ('auto': bfloat16 on "
                     "CUDA, float32 on the CPU)")  # fmt: skip
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    device = resolve_device(args.device)
-    model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
-    dtype = resolve_dtype(args.dtype, device)
-    model = load_model(model_dir, dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
-    ids = tokenizer(Path(args.text).read_text())["input_ids"]
     try:
+        text = Path(args.text).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        ap.error(f"--text {args.text}: {exc}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        device = resolve_device(args.device)
+        model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
+        dtype = resolve_dtype(args.dtype, device)
+        model = load_model(model_dir, dtype, device)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
+        ids = tokenizer(text)["input_ids"]
+        limit = model.config.max_position_embeddings
+        if len(ids) > limit:
+            raise KVScalesError(f"--text {args.text} is {len(ids)} tokens, over the model's context length "
+                                f"{limit} (the calibration is one prefill)")
         scales = calibrate_kv_scales(model, ids, 16, device, dtype)
-    except KVScalesError as exc:
+        save_kv_scales(args.out, scales)
+    except (KVScalesError, OSError, ValueError, RuntimeError) as exc:
         print(f"radixlm calibrate_kv_scales: {exc}", file=sys.stderr)
         return 1
-    save_kv_scales(args.out, scales)
     print(f"wrote {args.out}: {len(ids)} tokens of {args.text}, {scales.k_scale.shape[0]} layers x "
           f"{scales.k_scale.shape[1]} kv heads, keys rotated: {scales.k_rotation or 'no'}")
     return 0

@@ -366,3 +366,16 @@ def test_calibrate_kv_scales_command_writes_what_the_server_calibrates(smollm2_d
     assert kv_main(["--out", str(path), "--model-path", smollm2_dir, "--device", "cpu", "--text", str(text)]) == 0
     other = load_kv_scales(path, 30, 3, 64)
     assert not torch.allclose(other.k_scale, torch.stack(calibrated.k_scale).cpu())
+    capsys.readouterr()
+    text.write_text("")  # no tokens: a message, status 1, the file left as it was
+    assert kv_main(["--out", str(path), "--model-path", smollm2_dir, "--device", "cpu", "--text", str(text)]) == 1
+    assert "needs at least one token" in capsys.readouterr().err
+    assert torch.equal(load_kv_scales(path, 30, 3, 64).k_scale, other.k_scale)
+    text.write_text("the moon " * 5000)  # 10,000 tokens, over SmolLM2's 8192
+    assert kv_main(["--out", str(path), "--model-path", smollm2_dir, "--device", "cpu", "--text", str(text)]) == 1
+    assert "over the model's context length 8192" in capsys.readouterr().err
+    assert kv_main(["--out", str(path), "--model-path", str(tmp_path / "nowhere"), "--device", "cpu"]) == 1
+    assert "nowhere" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        kv_main(["--out", str(path), "--text", str(tmp_path / "missing.txt")])
+    assert exit_.value.code == 2 and "missing.txt" in capsys.readouterr().err
