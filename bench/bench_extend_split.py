@@ -201,7 +201,7 @@ def main() -> None:
         batches, prefixes, news, budget = (1,), (200,), (8,), 0.01
     else:
         s.pool_tokens = 256 * KB  # 1 GB each for K and V: batch 8 x (16K + 512) fits
-        batches, prefixes, news, budget = (1, 8), (KB, 4 * KB, 16 * KB), (32, 128, 512), 0.05
+        batches, prefixes, news, budget = (1, 8), (KB, 4 * KB, 16 * KB), (32, 128, 256, 512), 0.05
     torch.manual_seed(0)
     pool = Pool(s)
     timer = Timer(device, budget)

@@ -279,16 +279,23 @@ def http_client() -> httpx.Client:
 
 def stream_generate(url: str, body: dict) -> tuple[float, list[float], dict]:
     """POST a streaming ``/generate``: (send time, arrival time of each data chunk, the
-    last chunk parsed), times from ``time.perf_counter`` in seconds."""
-    t0, stamps, last = time.perf_counter(), [], ""
+    last chunk parsed), times from ``time.perf_counter`` in seconds. The last chunk's
+    ``output_ids`` and ``text`` are the whole output: a server with ``--stream-output``
+    sends disjoint segments, which are joined here (its last chunk holds only the last)."""
+    t0, stamps, lines = time.perf_counter(), [], []
     with http_client().stream("POST", f"{url}/generate", json={**body, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 stamps.append(time.perf_counter())
-                last = line
+                lines.append(line)
     if not stamps:
         raise RuntimeError(f"no data chunk from {url}/generate (HTTP {r.status_code})")
-    return t0, stamps, json.loads(last[6:])
+    chunks = [json.loads(line[6:]) for line in lines]
+    last = chunks[-1]
+    if len(last["output_ids"]) < last["meta_info"]["completion_tokens"]:  # segments
+        last["output_ids"] = [i for c in chunks for i in c["output_ids"]]
+        last["text"] = "".join(c["text"] for c in chunks)
+    return t0, stamps, last
 
 
 def stream_one(url: str, ids: list[int], out_len: int) -> dict:

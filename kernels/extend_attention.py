@@ -222,9 +222,14 @@ class ExtendSplitConfig:
     fp8_compute: str = "fp16"  # FP8 pools: as ``ExtendConfig.fp8_compute``
 
 
-# Not tuned on a GPU yet: bench/bench_extend_split.py times these against the variants it
-# lists (bench/KERNELS.md, "Split-KV extend").
-HOPPER_SPLIT_CONFIG = ExtendSplitConfig(block_rows=128, block_n=64, num_warps=8, num_stages=2)
+# H200, 8B head shape, bf16, page 16 (bench/bench_extend_split.py, 2026-12-04 14:13 UTC;
+# bench/KERNELS.md, "Split-KV extend"): 128 rows (32 tokens x 4 heads), 64-key tiles, 4 warps,
+# 2 stages. 1 x (4K cached + 128 new): 45.6 us with N = 8 against 58.1 us on 8 warps (the
+# earlier, untuned config; 32 layers: 1.46 vs 1.86 ms of a cached-prefix TTFT); 1 x (16K +
+# 128) 111 vs 155 us, 1 x (16K + 32) 53 vs 64, 8 x (4K + 32) 79 vs 101; slower only at
+# 1 x (1K + 32), 21.9 vs 18.8 us. 64 rows on 4 warps (N / 2 for the same programs) is as
+# fast at 4K + 128 and faster for 32-token extends, slower at 16K + 128 (127 us) and at batch 8.
+HOPPER_SPLIT_CONFIG = ExtendSplitConfig(block_rows=128, block_n=64, num_warps=4, num_stages=2)
 
 
 @functools.lru_cache(maxsize=16)
