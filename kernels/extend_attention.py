@@ -59,14 +59,14 @@ N > 1 and two kernels run instead:
 N (a power of two; the kernels are compiled at server start by ``warm_up_split_path``) is
 chosen so that B * K * M blocks * N programs make about one wave of
 ``programs_per_sm`` per SM, splits are >= ``min_split_keys`` keys, and only when
-max_extend_len <= ``ExtendSplitConfig.max_extend_len`` (512) and the keys are at least
+max_extend_len <= ``ExtendSplitConfig.max_extend_len`` (512; 256 on Hopper) and the keys are at least
 twice the new tokens; otherwise (plain prefill, long extends, a full wave already) the
 long-extend kernel runs. Cost: the fp32 partials (T * H * N * D * 4 bytes, written and
 read once; bounded because the program count is capped at one wave: ~17 MB for the
 Hopper config on 132 SMs) and a second launch. FP8 pages as below (a program serves one
-kv head, so both scales are scalars). Not yet timed on a GPU: ``HOPPER_SPLIT_CONFIG`` and
-the heuristic's constants are first guesses; bench/bench_extend_split.py measures them
-against the long-extend kernel (bench/KERNELS.md).
+kv head, so both scales are scalars). ``HOPPER_SPLIT_CONFIG`` (tiles, warps, the 256-token
+limit) is set from bench/bench_extend_split.py on an H200 (bench/KERNELS.md); the other
+heuristic constants (2 programs per SM, 128-key splits) were not varied there.
 
 Limits: D a power of two (16..256); fp16/bf16 (fp32 for tests, with IEEE fp32 dots).
 ``max_extend_len`` (host int) sizes the grid; blocks past a request's extend_len exit at
@@ -229,7 +229,10 @@ class ExtendSplitConfig:
 # 128) 111 vs 155 us, 1 x (16K + 32) 53 vs 64, 8 x (4K + 32) 79 vs 101; slower only at
 # 1 x (1K + 32), 21.9 vs 18.8 us. 64 rows on 4 warps (N / 2 for the same programs) is as
 # fast at 4K + 128 and faster for 32-token extends, slower at 16K + 128 (127 us) and at batch 8.
-HOPPER_SPLIT_CONFIG = ExtendSplitConfig(block_rows=128, block_n=64, num_warps=4, num_stages=2)
+# Split only up to 256 new tokens: with this config (14:16 UTC run) one request's 256-token
+# extend is 1.05 / 1.53 / 1.87x the long-extend kernel over 1K / 4K / 16K cached, a 512-token
+# one 0.73 / 0.91 / 1.02x.
+HOPPER_SPLIT_CONFIG = ExtendSplitConfig(block_rows=128, block_n=64, num_warps=4, num_stages=2, max_extend_len=256)
 
 
 @functools.lru_cache(maxsize=16)

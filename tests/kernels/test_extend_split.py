@@ -14,6 +14,8 @@ S page size, N key splits.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -135,8 +137,9 @@ def test_extend_num_splits() -> None:
     assert n(1, 128, 16384 + 128) == 8
     assert n(8, 128, 4096 + 128) == 1  # 256 programs unsplit: already a wave
     assert n(2, 128, 4096 + 128) == 4
-    assert n(1, 512, 4096 + 512) == 2
-    assert n(1, 513, 8192) == 1  # longer than max_extend_len: the long-extend kernel
+    assert n(1, 256, 4096 + 256) == 4
+    assert n(1, 257, 4096 + 257) == 1  # longer than max_extend_len: the long-extend kernel
+    assert extend_num_splits(1, 32, 8, 512, 4096 + 512, 132, replace(cfg, max_extend_len=512)) == 2
     assert n(1, 128, 255) == 1  # plain / short-prefix prefill
     assert n(1, 1, 100) == 1  # one split of >= 128 keys
     # 4 SMs x 2 = 8 programs: 4 kv heads x 1 block of 16 tokens -> 2; 1 kv head of 4
