@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(ids) > limit:
             raise KVScalesError(f"--text {args.text} is {len(ids)} tokens, over the model's context length "
                                 f"{limit} (the calibration is one prefill)")
-        scales = calibrate_kv_scales(model, ids, 16, device, dtype)
+        scales = calibrate_kv_scales(model, ids, 16, device, dtype)  # statistics per token: any page size
         save_kv_scales(args.out, scales)
     except (KVScalesError, OSError, ValueError, RuntimeError) as exc:
         print(f"radixlm calibrate_kv_scales: {exc}", file=sys.stderr)
