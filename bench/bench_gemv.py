@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_kernels import Timer, rel_err  # noqa: E402
 from decode_step import copy_bandwidth  # noqa: E402
 
-from radixlm.kernels.gemv import GemvConfig, gemv  # noqa: E402
+from radixlm.kernels.fused_ops import fused_add_rmsnorm, silu_and_mul  # noqa: E402
+from radixlm.kernels.gemv import GemvConfig, gemv, rmsnorm_gemv, silu_mul_gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CONFIGS = [
@@ -93,8 +94,45 @@ def main() -> None:
                     row[col.replace("_us", "_bw_frac")] = weight_bytes / (row[col] * 1e-6) / bandwidth
             print(json.dumps({k2: v for k2, v in row.items() if k2 != "triton"}), flush=True)
             report["rows"].append(row)
+    report["fused"] = fused_rows(shapes, configs, device, dtype, timer, bandwidth)
     report["seconds"] = round(time.time() - t0, 1)
     (out / "bench_gemv.json").write_text(json.dumps(report, indent=1))
+
+
+def fused_rows(shapes: dict, configs: list, device: torch.device, dtype: torch.dtype, timer: Timer,
+               bandwidth: float) -> list:  # fmt: skip
+    """Batch 1: the norm / activation fused into the GEMV (one launch; default config and
+    the best of ``configs``) against the separate fused_ops kernel + gemv (two launches),
+    as the model ran them before. qkv and gate_up take add + RMSNorm, down SiLU-and-mul."""
+    rows = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        if name == "down" or name == "tiny":
+            gate_up = torch.randn(1, 2 * k, device=device, dtype=dtype)
+            ref = gemv(silu_and_mul(gate_up), w)
+            fused = lambda c=None, gu=gate_up, w=w: silu_mul_gemv(gu, w, config=c)  # noqa: E731
+            separate = lambda gu=gate_up, w=w: gemv(silu_and_mul(gu), w)  # noqa: E731
+        elif name in ("qkv", "gate_up"):
+            x, res = torch.randn(2, 1, k, device=device, dtype=dtype)
+            norm_w = torch.rand(k, device=device, dtype=dtype) + 0.5
+            ref = gemv(fused_add_rmsnorm(x, res, norm_w, 1e-5)[0], w)
+            fused = lambda c=None, x=x, r=res, nw=norm_w, w=w: rmsnorm_gemv(x, r, nw, 1e-5, w, config=c)[0]  # noqa: E731
+            separate = lambda x=x, r=res, nw=norm_w, w=w: gemv(fused_add_rmsnorm(x, r, nw, 1e-5)[0], w)  # noqa: E731
+        else:
+            continue
+        row = {"shape": name, "n": n, "k": k, "rel_err": rel_err(fused(), ref),
+               "separate_us": timer.median_us(separate, graph=True), "fused_us": timer.median_us(fused, graph=True)}
+        tried = {}
+        for c in configs:
+            if k % c.block_k == 0 and rel_err(fused(c), ref) < 1e-2:
+                tried[f"n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}"] = timer.median_us(
+                    lambda c=c, f=fused: f(c), graph=True)
+        row["best_fused"] = min(tried, key=tried.get) if tried else None
+        row["best_fused_us"] = tried[row["best_fused"]] if tried else None
+        row["fused_bw_frac"] = w.numel() * w.element_size() / (row["fused_us"] * 1e-6) / bandwidth
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -111,6 +111,51 @@ def measure_batch(
                 graph_device_ms=start.elapsed_time(end) / steps, kernels=kernel_breakdown(eager))
 
 
+@torch.inference_mode()
+def gemv_sweep(model, pool: KVPool, tables: list[list[int]], context: int, max_pages: int, steps: int,
+               rounds: int = 3) -> list[dict]:  # fmt: skip
+    """Batch-1 graph device time (ms per step, the median of ``rounds`` interleaved rounds
+    of ``steps`` back-to-back replays) for tiles of the fused GEMVs (kernels/gemv.py
+    PROLOGUE_CONFIGS: RMSNorm(+RoPE/store) and SiLU prologues). Each variant captures its
+    own graph (configs are read at capture)."""
+    from dataclasses import replace
+
+    from radixlm.kernels import gemv as gemv_mod
+
+    base = dict(gemv_mod.PROLOGUE_CONFIGS)
+    tiles = {"n16k256": (16, 256), "n8k512": (8, 512), "n32k256": (32, 256), "n16k512": (16, 512)}
+    variants = [(f"norm_{t}_silu_n8k512", t, "n8k512") for t in tiles] + [
+        (f"norm_n16k256_silu_{t}", "n16k256", t) for t in ("n16k512", "n32k256")
+    ]
+    page = pool.page_size
+    model(ForwardBatch.build([[7] * context], [0], tables, [0], page, pool.device), pool)
+    runners = {}
+    for name, norm_tile, silu_tile in variants:
+        for key, tile in (("rmsnorm", norm_tile), ("silu_mul", silu_tile)):
+            gemv_mod.PROLOGUE_CONFIGS[key] = replace(base[key], block_n=tiles[tile][0], block_k=tiles[tile][1])
+        runners[name] = CudaGraphRunner(model, pool, 1, max_pages, torch.zeros(1, dtype=torch.int64, device=pool.device))
+    gemv_mod.PROLOGUE_CONFIGS.update(base)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    hidden = {}
+    for _ in range(rounds):
+        for name, runner in runners.items():
+            hidden[name] = runner.replay([11], [context], tables).clone()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                runner.replay([11], [context], tables)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / steps)
+    ref = hidden[variants[0][0]].float()
+    rows = [{"variant": name, "graph_device_ms": sorted(t)[len(t) // 2], "all_ms": t,
+             "max_abs_diff_vs_first": (hidden[name].float() - ref).abs().max().item()}
+            for name, t in times.items()]  # fmt: skip
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def kernel_breakdown(step, top: int = 12) -> dict:
     """Device time per kernel name over one eager step (torch.profiler), the top ones."""
     from torch.profiler import ProfilerActivity, profile
@@ -145,6 +190,8 @@ def main() -> None:
     ap.add_argument("--kv-centred", action="store_true", help="fp8_e4m3 with channel means")
     ap.add_argument("--kv-rotated", action="store_true",
                     help="fp8_e4m3 with channel means and keys rotated (the fused RoPE kernel applies it)")
+    ap.add_argument("--gemv-sweep", action="store_true",
+                    help="batch 1: graph device time per tile of the fused GEMVs")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -190,6 +237,9 @@ def main() -> None:
         context=args.context,
         rows=[],
     )
+    if args.gemv_sweep:
+        result["gemv_sweep"] = gemv_sweep(model, pool, tables[:1], args.context, shape["max_position_embeddings"] // page,
+                                          args.steps)  # fmt: skip
     for bs in args.batch:
         row = measure_batch(
             model, runner, pool, tables[:bs], args.context, shape["vocab_size"], args.steps

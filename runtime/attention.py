@@ -64,8 +64,11 @@ class AttentionBackend(ABC):
         layer_id: int,
         batch: ForwardBatch,
         pool: KVPool,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, K, D] -> attention output [T, H, D]."""
+        """q [T, H, D], k/v [T, K, D] -> attention output [T, H, D]. Writes k / v into the
+        pool at ``batch.out_slots`` first, unless ``kv_stored`` (the caller did; float pools
+        without an attention sink only)."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -95,6 +98,7 @@ class TorchAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         pool: KVPool,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
         k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
@@ -106,7 +110,7 @@ class TorchAttentionBackend(AttentionBackend):
             assert self._pages is not None and self._table is not None, "prepare() not called"
             k_pool, v_pool = pool.dequantize_pages(layer_id, self._pages)  # [U, S, K, D] float32
             page_table, k_scale, v_scale = self._table, None, None
-        else:
+        elif not kv_stored:
             reference.store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale, *means)
         sink = _sink(k, v, layer_id, batch, pool)
         scale = q.shape[-1] ** -0.5
@@ -186,6 +190,7 @@ class TritonAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         pool: KVPool,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
         k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
@@ -196,8 +201,9 @@ class TritonAttentionBackend(AttentionBackend):
                 pool.fp8_slot, pool.k_codes[layer_id], pool.k_stat[layer_id],
                 pool.v_codes[layer_id], pool.v_stat[layer_id],
             )  # fmt: skip
-        self._store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale,
-                       pool.k_mean[layer_id], pool.v_mean[layer_id])  # fmt: skip
+        if not kv_stored:
+            self._store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale,
+                           pool.k_mean[layer_id], pool.v_mean[layer_id])  # fmt: skip
         sink = _sink(k, v, layer_id, batch, pool)
         if not pool.quantised:
             q = q.to(k_pool.dtype)

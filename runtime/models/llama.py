@@ -158,21 +158,45 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """x [T, E] -> [T, E]; stores this layer's new K/V into ``pool``. With cos / sin
         None, RoPE is the fused in-place kernel at ``batch.positions``."""
-        num_tokens = x.shape[0]
+        return self.attend(_linear(self.qkv_proj, x, cos is None), cos, sin, batch, pool)
+
+    def attend(
+        self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, batch: ForwardBatch,
+        pool: KVPool, kv_stored: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """``forward`` after the QKV projection: qkv [T, (H + 2K) * D] -> [T, E].
+        ``kv_stored``: the projection already applied RoPE and wrote K / V into the pool
+        (``rope_store``)."""
+        num_tokens = qkv.shape[0]
         fused = cos is None
-        q, k, v = _linear(self.qkv_proj, x, fused).split(self.split_sizes, dim=-1)  # [T, H*D], [T, K*D] x2
+        q, k, v = qkv.split(self.split_sizes, dim=-1)  # [T, H*D], [T, K*D] x2
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
         # Quantised pools store keys rotated (KVPool doc, "Key rotation"): the fused RoPE
         # kernel applies the rotation in the same launch, the PyTorch path after RoPE.
-        if cos is None:
+        if cos is None and not kv_stored:
             _fused_ops().rotary_embedding_(q, k, batch.positions, self.rotary[0].inv_freq(q.device),
                                            pool.qk_rotation)  # fmt: skip
-        else:
+        elif cos is not None:
             q, k = pool.rotate_qk(apply_rope(q, cos, sin), apply_rope(k, cos, sin))
-        o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool)  # [T, H, D]
+        o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool, kv_stored=kv_stored)  # [T, H, D]
         return _linear(self.o_proj, o.reshape(num_tokens, -1), fused)  # [T, H*D] -> [T, E]
+
+    def rope_store(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> Any:
+        """The QKV GEMV's RoPE + KV-write epilogue (``kernels.gemv.RopeStore``) for this
+        layer, or None where it does not apply: it needs the batch-1 GEMV path, a decode
+        token, and a plain float pool in the model's dtype (no FP8 / INT4 pages, key
+        rotation or attention sink)."""
+        k_pool = pool.k[self.layer_id]
+        if not (batch.is_decode and _gemv_ok(self.qkv_proj, x) and not pool.quantised and not pool.tiered
+                and pool.qk_rotation is None and not pool.has_sink and k_pool.dtype == x.dtype
+                and k_pool.is_contiguous() and pool.v[self.layer_id].is_contiguous()):  # fmt: skip
+            return None
+        from radixlm.kernels.gemv import RopeStore
+
+        return RopeStore(batch.positions, self.rotary[0].inv_freq(x.device), batch.out_slots, k_pool,
+                         pool.v[self.layer_id], self.num_heads)  # fmt: skip
 
 
 class LlamaMLP(nn.Module):
@@ -186,10 +210,18 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            h = _fused_ops().silu_and_mul(_linear(self.gate_up_proj, x, True))
-            return _linear(self.down_proj, h, True)
+            return self.down(_linear(self.gate_up_proj, x, True))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
         return self.down_proj(F.silu(gate) * up)  # [T, E]
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The fused path after gate_up: [T, 2F] -> down(silu(gate) * up) [T, E]; at batch 1
+        on CUDA the activation runs inside the down GEMV (kernels/gemv.py)."""
+        if _gemv_ok(self.down_proj, gate_up):
+            from radixlm.kernels.gemv import silu_mul_gemv
+
+            return silu_mul_gemv(gate_up, self.down_proj.weight)
+        return _linear(self.down_proj, _fused_ops().silu_and_mul(gate_up), True)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -220,14 +252,11 @@ class LlamaDecoderLayer(nn.Module):
         """The same layer with fused kernels, residual stream kept apart (vLLM's layout):
         (x, residual) -> (this layer's MLP output, residual so far); the sum of the two is
         what ``forward`` returns. ``residual`` None at the first layer."""
-        ops, ln1, ln2 = _fused_ops(), self.input_layernorm, self.post_attention_layernorm
-        if residual is None:
-            residual, h = x, ops.rmsnorm(x, ln1.weight, ln1.eps)
-        else:
-            h, residual = ops.fused_add_rmsnorm(x, residual, ln1.weight, ln1.eps)
-        h = self.self_attn(h, None, None, batch, pool)
-        h, residual = ops.fused_add_rmsnorm(h, residual, ln2.weight, ln2.eps)
-        return self.mlp(h), residual
+        rope = self.self_attn.rope_store(x, batch, pool)
+        qkv, residual = _norm_linear(self.self_attn.qkv_proj, x, residual, self.input_layernorm, rope)
+        h = self.self_attn.attend(qkv, None, None, batch, pool, kv_stored=rope is not None)
+        gate_up, residual = _norm_linear(self.mlp.gate_up_proj, h, residual, self.post_attention_layernorm)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -348,15 +377,40 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         super().__init__(config, attn_backend)
 
 
+def _gemv_ok(layer: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether the fused path runs ``layer`` on x through kernels/gemv.py: a single row on
+    CUDA (batch-1 decode), no bias, K a multiple of 16. There it beats cuBLAS by 1-3 us per
+    8B projection on an H200 and takes the RMSNorm / SiLU before it into the same launch."""
+    return x.shape[0] == 1 and x.is_cuda and layer.bias is None and x.stride(1) == 1 and layer.in_features % 16 == 0
+
+
 def _linear(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """``layer(x)`` for x [T, in] -> [T, out]. With the fused kernels, a single row on CUDA
-    (batch-1 decode) goes through the Triton skinny GEMM instead of cuBLAS
-    (kernels/gemv.py: 1-3 us faster per 8B projection on an H200)."""
-    if fused and x.shape[0] == 1 and x.is_cuda and layer.bias is None and x.is_contiguous() and x.shape[1] % 16 == 0:
+    """``layer(x)`` for x [T, in] -> [T, out]; with the fused kernels, the Triton skinny GEMM
+    where ``_gemv_ok``."""
+    if fused and _gemv_ok(layer, x):
         from radixlm.kernels.gemv import gemv
 
         return gemv(x, layer.weight)
     return layer(x)
+
+
+def _norm_linear(
+    layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rope_store: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Fused path: ``(layer(rmsnorm(s)), s)`` with s = x + residual (x when residual is None);
+    x, residual [T, E] -> [T, out], [T, E]. One launch where ``_gemv_ok``
+    (``kernels.gemv.rmsnorm_gemv``, with ``rope_store`` its QKV epilogue, which the caller
+    only passes there), else the fused norm kernel and the linear layer."""
+    if _gemv_ok(layer, x) and (residual is None or residual.stride(1) == 1):
+        from radixlm.kernels.gemv import rmsnorm_gemv
+
+        return rmsnorm_gemv(x, residual, norm.weight, norm.eps, layer.weight, rope_store=rope_store)
+    assert rope_store is None
+    ops = _fused_ops()
+    if residual is None:
+        return layer(ops.rmsnorm(x, norm.weight, norm.eps)), x
+    h, residual = ops.fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
+    return layer(h), residual
 
 
 def _fused_ops() -> Any:

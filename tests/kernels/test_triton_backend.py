@@ -153,12 +153,28 @@ def test_auto_picks_triton_on_cuda() -> None:
     assert isinstance(create_attention_backend("auto", "cuda"), TritonAttentionBackend)
 
 
-def test_model_on_the_triton_backend_uses_fused_kernels_and_matches_torch(tiny_hf_model) -> None:
+@pytest.mark.parametrize("gemv", ["as_on_the_device", "forced"])
+def test_model_on_the_triton_backend_uses_fused_kernels_and_matches_torch(tiny_hf_model, monkeypatch, gemv) -> None:
     """The whole model with the Triton backend (fused add+RMSNorm, RoPE, SiLU-mul kernels,
-    residual kept apart) gives the torch backend's logits: a prefill then a decode step."""
+    residual kept apart) gives the torch backend's logits: a prefill then a decode step.
+    ``forced``: the batch-1 GEMVs with RMSNorm / SiLU (and the QKV one's RoPE + KV
+    store) fused in, CUDA-only in the model, run here too, and must have run."""
     import random
 
+    from radixlm.kernels import gemv as gemv_module
     from radixlm.runtime.model_loader import load_model
+    from radixlm.runtime.models import llama
+
+    calls: list[str] = []
+    if gemv == "forced":
+        monkeypatch.setattr(llama, "_gemv_ok", lambda layer, x: x.shape[0] == 1 and layer.bias is None)
+        for name in ("rmsnorm_gemv", "silu_mul_gemv"):
+            fn = getattr(gemv_module, name)
+            def record(*a, _fn=fn, _name=name, **kw):
+                calls.append(_name + ("+rope_store" if kw.get("rope_store") is not None else ""))
+                return _fn(*a, **kw)
+
+            monkeypatch.setattr(gemv_module, name, record)
 
     model_dir = tiny_hf_model(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})[0]
     models = {name: load_model(model_dir, torch.float32, DEVICE, name) for name in ("torch", "triton")}
@@ -174,6 +190,10 @@ def test_model_on_the_triton_backend_uses_fused_kernels_and_matches_torch(tiny_h
             step = ForwardBatch.build([ids[12:]], [12], [table], [0], PAGE, DEVICE)
             logits[name] = torch.cat([first, model.compute_logits(model(step, pool))])
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=2e-5, rtol=2e-5)
+    if gemv == "forced":  # the decode step (one row): 2 norms (one with RoPE + KV store) + 1 SiLU per layer
+        layers = models["triton"].config.num_hidden_layers
+        assert sorted(calls) == (["rmsnorm_gemv"] * layers + ["rmsnorm_gemv+rope_store"] * layers
+                                 + ["silu_mul_gemv"] * layers)  # fmt: skip
 
 
 def test_fused_rope_applies_the_pool_key_rotation(tiny_hf_model) -> None:
