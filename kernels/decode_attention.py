@@ -530,7 +530,9 @@ def _decode_split_kernel(
         # PartOut [B, H, N, D] and PartLse [B, H, N], contiguous.
         row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [Hb]
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(PartOut + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
+        # An empty split (past a short sequence: graphs size N for the longest) writes only
+        # its lse of -inf; the merge does not read its PartOut row.
+        tl.store(PartOut + row[:, None] * HEAD_DIM + dims[None, :], out, mask=(head_mask & nonempty)[:, None])
         tl.store(PartLse + row, lse, mask=head_mask)
 
 
@@ -646,7 +648,7 @@ def _decode_merge_kernel(
     lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: 2^-inf = 0
     part_ptr = PartOut + row[:, None] * HEAD_DIM + dims[None, :]
-    part = tl.load(part_ptr, mask=smask[:, None], other=0.0)  # [Nb, D]
+    part = tl.load(part_ptr, mask=(smask & (lse > float("-inf")))[:, None], other=0.0)  # [Nb, D]; empty splits unread
     out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)  # [D]
     if CENTER:  # centred values: + the channel means of the head's kv head
         out = out + tl.load(VMean + (h // GROUP) * HEAD_DIM + dims)

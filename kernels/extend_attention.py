@@ -720,7 +720,8 @@ def _extend_split_kernel(
         out = out * tl.load(VScale + kv_head)
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     part = (t_idx * (num_kv_heads * GROUP) + heads) * num_splits + split  # [R]
-    tl.store(PartOut + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+    # Empty splits write only lse = -inf; the merge does not read their PartOut rows.
+    tl.store(PartOut + part[:, None] * HEAD_DIM + dims[None, :], out, mask=(row_mask & nonempty)[:, None])
     tl.store(PartLse + part, lse, mask=row_mask)
 
 

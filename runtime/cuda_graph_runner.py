@@ -186,7 +186,7 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:bs], cu_extend=self.cu_extend[: bs + 1], out_slots=self.out_slots[:bs],
             logits_rows=self.logits_rows[:bs], page_size=self.page_size,
             prefix_lens_cpu=[bound - 1] * bs, extend_lens_cpu=[1] * bs,
-            sink_slots=self.sink_slots[:bs] if self.pool.has_sink else None,
+            sink_slots=self.sink_slots[:bs] if self.pool.has_sink else None, logits_all=True,
         )  # fmt: skip
 
     def _static_extend_batch(self, tg: int) -> ForwardBatch:

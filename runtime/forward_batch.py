@@ -57,6 +57,8 @@ class ForwardBatch:
     sink_slots: torch.Tensor | None = None  # [B] int32
     sink_rows: torch.Tensor | None = None  # [W] int64, rows of [T] at position 0 to write
     sink_write_slots: torch.Tensor | None = None  # [W] int64, their slots
+    # logits_rows is every row in order (0 .. T-1; a decode step): the model skips gathering them.
+    logits_all: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -134,4 +136,5 @@ class ForwardBatch:
             sink_slots=None if sink_slots is None else t(sink_slots, torch.int32),
             sink_rows=t([r for r, _ in writes], torch.int64) if writes else None,
             sink_write_slots=t([s for _, s in writes], torch.int64) if writes else None,
+            logits_all=list(logits_rows) == list(range(len(flat_ids))),
         )

@@ -280,12 +280,13 @@ class LlamaModel(nn.Module):
             residual = None
             for layer in self.layers:
                 x, residual = layer.forward_fused(x, residual, batch, pool)
-            rows = batch.logits_rows
-            return _fused_ops().fused_add_rmsnorm(x[rows], residual[rows], self.norm.weight, self.norm.eps)[0]
+            if not batch.logits_all:
+                x, residual = x[batch.logits_rows], residual[batch.logits_rows]
+            return _fused_ops().fused_add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
         cos, sin = self.rotary_emb(batch.positions, x.dtype)  # [T, D] each
         for layer in self.layers:
             x = layer(x, cos, sin, batch, pool)
-        return self.norm(x[batch.logits_rows])  # [N, E]
+        return self.norm(x if batch.logits_all else x[batch.logits_rows])  # [N, E]
 
 
 class LlamaForCausalLM(nn.Module):

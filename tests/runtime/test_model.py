@@ -5,6 +5,7 @@ Dimension letters: T tokens, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -141,6 +142,14 @@ def test_forward_returns_only_logits_rows(tiny_hf_model: Callable) -> None:
         hidden = model(batch, pool)
     assert hidden.shape == (2, 64)
     assert model.compute_logits(hidden).dtype == torch.float32
+    assert not batch.logits_all
+    # A decode step samples every row in order: no gather, and the same rows as gathering them.
+    step = ForwardBatch.build([[6], [7]], [3, 2], [[1], [2]], [0, 1], 4, "cpu")
+    assert step.logits_all and not ForwardBatch.build([[6], [7]], [3, 2], [[1], [2]], [1, 0], 4, "cpu").logits_all
+    with torch.inference_mode():
+        hidden = model(step, pool)
+        gathered = model(dataclasses.replace(step, logits_all=False), pool)
+    torch.testing.assert_close(hidden, gathered, rtol=0, atol=0)
 
 
 def test_attention_backend_registry() -> None:
