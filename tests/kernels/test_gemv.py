@@ -122,9 +122,9 @@ def test_rope_store_epilogue_equals_rope_and_store_after_the_projection(block_n,
     store_kv(pools[2], pools[3], k, v, slots)
     assert torch.equal(s_got, s_want)
     # v (no rotation) is the same projection: equal everywhere. q / k: the interpreter runs
-    # the same float32 ops in both paths, so equal; a GPU build compiles cos / sin into
-    # each kernel on its own and may round a product one bf16 step apart (seen on the
-    # H200: 6 of 256 values, 0.0068 apart), so there the bound is one step of the largest.
+    # the same float32 ops in both paths, so equal; compiled into two different kernels
+    # for a GPU, a rotated value may come out one bf16 step apart (seen on the H200: 6 of
+    # 256 values, 0.0068 apart), so there the bound is one step of the largest.
     qk = (heads + kv_heads) * head_dim
     assert torch.equal(got[:, qk:], want[:, qk:]) and torch.equal(pools[1], pools[3])
     step = 0 if DEVICE == "cpu" else 2**-7 * want.abs().max().item()
