@@ -136,5 +136,5 @@ class ForwardBatch:
             sink_slots=None if sink_slots is None else t(sink_slots, torch.int32),
             sink_rows=t([r for r, _ in writes], torch.int64) if writes else None,
             sink_write_slots=t([s for _, s in writes], torch.int64) if writes else None,
-            logits_all=list(logits_rows) == list(range(len(flat_ids))),
+            logits_all=len(logits_rows) == len(flat_ids) and list(logits_rows) == list(range(len(flat_ids))),
         )
