@@ -34,7 +34,7 @@ multiplies by the matching x chunk in fp32 and accumulates elementwise, then red
 once over the BLOCK_K lanes at the end. The M programs of one weight tile are adjacent in
 launch order, so rows 2..M read it from L2.
 
-Limits: K a multiple of BLOCK_K (asserted on the host); BLOCK_N even; N any (masked).
+Limits: K a multiple of BLOCK_K, BLOCK_N a power of two >= 2 (checked on the host); N any (masked).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ __all__ = ["GemvConfig", "RopeStore", "gemv", "rmsnorm_gemv", "silu_mul_gemv"]
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters: output features per program (even), weight columns per tile,
+    """Launch parameters: output features per program (a power of two >= 2), weight columns per tile,
     warps, software-pipelining stages of the tile loop."""
 
     block_n: int = 8
@@ -219,8 +219,8 @@ def _launch(
     eps: float = 0.0, out: torch.Tensor | None = None, rope: RopeStore | None = None,
 ) -> torch.Tensor:  # fmt: skip
     m, n = x.shape[0], w.shape[0]
-    if config.block_n % 2:
-        raise ValueError(f"gemv: block_n={config.block_n} must be even")
+    if config.block_n < 2 or config.block_n & (config.block_n - 1):
+        raise ValueError(f"gemv: block_n={config.block_n} must be a power of two >= 2")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r_, nw, ro = (r if r is not None else x), (norm_w if norm_w is not None else x), (res_out if res_out is not None else x)
@@ -254,6 +254,8 @@ def _check_rope(rope: RopeStore, x: torch.Tensor, n: int, block_n: int) -> None:
         raise ValueError("rope_store: positions / slots [M], inv_freq [D/2] expected")
     if rope.inv_freq.dtype != torch.float32 or rope.slots.dtype != torch.int64:
         raise ValueError("rope_store: inv_freq float32 and slots int64 expected")
+    if any(not t.is_contiguous() or t.device != x.device for t in (rope.positions, rope.inv_freq, rope.slots)):
+        raise ValueError("rope_store: positions, inv_freq and slots must be contiguous, on x's device")
 
 
 def gemv(

@@ -406,7 +406,8 @@ def _norm_linear(
         from radixlm.kernels.gemv import rmsnorm_gemv
 
         return rmsnorm_gemv(x, residual, norm.weight, norm.eps, layer.weight, rope_store=rope_store)
-    assert rope_store is None
+    if rope_store is not None:  # the caller would skip RoPE and the KV write
+        raise RuntimeError("rope_store given where the batch-1 GEMV does not run")
     ops = _fused_ops()
     if residual is None:
         return layer(ops.rmsnorm(x, norm.weight, norm.eps)), x

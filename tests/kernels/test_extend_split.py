@@ -79,9 +79,14 @@ def test_splits_inside_the_diagonal(paged_case, relerr) -> None:
 
 
 def test_more_splits_than_key_tiles(paged_case, relerr) -> None:
-    """N = 64 splits of at most 80 keys: most splits are empty (partial lse -inf, weight 0)."""
+    """N = 64 splits of at most 80 keys: most splits are empty (partial lse -inf, weight 0)
+    and write no partial output; the scratch starts NaN, so a merge that read one shows."""
     case = paged_case([(70, 3), (2, 1)], 8, 2, 32, 16, seed=4)
-    out = _run(case, 64)
+    work = DecodeWorkspace.allocate(case.q.shape[0], 8, 64, 32, case.q.device)
+    work.partial_out.fill_(float("nan"))
+    out = _run(case, 64, workspace=work)
+    assert not out.isnan().any()
+    assert work.partial_out.isnan().any(), "every partial row was written: no empty split was tested"
     assert relerr(out, _reference(case)) < 1e-5
 
 

@@ -146,6 +146,14 @@ def test_rope_store_rejects_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="one layout"):
         rmsnorm_gemv(x, None, norm_w, 1e-5, torch.randn(256, 64, dtype=HALF, device=DEVICE),
                      rope_store=RopeStore(*args, pool, pool.float(), 4))  # fmt: skip
+    with pytest.raises(ValueError, match="power of two"):
+        rmsnorm_gemv(x, None, norm_w, 1e-5, torch.randn(256, 64, dtype=HALF, device=DEVICE),
+                     config=GemvConfig(block_n=6, block_k=64))  # fmt: skip
+    with pytest.raises(ValueError, match="contiguous, on x's device"):  # two rows, strided positions
+        positions = torch.tensor([1, 0, 2, 0], device=DEVICE)[::2]
+        rmsnorm_gemv(torch.randn(2, 64, dtype=HALF, device=DEVICE), None, norm_w, 1e-5,
+                     torch.randn(256, 64, dtype=HALF, device=DEVICE),
+                     rope_store=RopeStore(positions, args[1], torch.tensor([1, 2], device=DEVICE), pool, pool.clone(), 4))  # fmt: skip
     with pytest.raises(ValueError, match="must divide half the head dim"):
         rmsnorm_gemv(x, None, norm_w, 1e-5, torch.randn(256, 64, dtype=HALF, device=DEVICE),
                      config=GemvConfig(block_n=64, block_k=64), rope_store=RopeStore(*args, pool, pool.clone(), 4))  # fmt: skip
