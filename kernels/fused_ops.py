@@ -34,7 +34,7 @@ def _rmsnorm_kernel(
     X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, stride_ro, eps, n_cols,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2^31 elements in big passes
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -129,7 +129,7 @@ def _rope_kernel(
 ):  # fmt: skip
     """Program (t, j): token t's q heads j * BLOCK_H .. for j < q_blocks, else its k heads
     (j - q_blocks) * BLOCK_H .. (several programs per token: at batch 1 one SM would do all)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * stride passes 2^31 elements in big passes
     j = tl.program_id(1)
     half = tl.arange(0, HALF)  # [D/2]
     angle = tl.load(Pos + t).to(tl.float32) * tl.load(InvFreq + half)  # [D/2] f32
@@ -188,7 +188,8 @@ def rotary_embedding_(
 
 @triton.jit
 def _silu_mul_kernel(GU, Out, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    # int64: with the 8B shape's 2 x 14336 columns, row * stride passes 2^31 at 37,450 tokens
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)

@@ -49,7 +49,7 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr, CENTER: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * stride passes 2^31 elements in big passes
     heads = tl.arange(0, BLOCK_KH)  # [Kp]
     dims = tl.arange(0, HEAD_DIM)  # [D]
     mask = (heads < NUM_KV_HEADS)[:, None]  # [Kp, 1]

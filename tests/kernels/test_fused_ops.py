@@ -103,3 +103,42 @@ def test_rope_with_the_key_rotation_matches_apply_rope_then_the_matmuls(
     scores = torch.einsum("thd,shd->hts", q.float(), k.float().repeat_interleave(group, 1))
     plain = torch.einsum("thd,shd->hts", roped_q.float(), roped_k.float().repeat_interleave(group, 1))
     assert float((scores - plain).abs().max()) < (1e-3 if dtype == torch.float32 else 0.05) * float(plain.abs().max())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (and ~11 GB of device memory)")
+def test_token_offsets_past_2_31_elements() -> None:
+    """A forward pass over many tokens: token index x row stride passes 2^31 elements (the
+    8B shape's gate_up rows at 37,450 tokens, its qkv rows at 349,526), which an int32
+    offset turned into an illegal address. The last tokens of such a pass must come out as
+    the same kernels give them in a small pass."""
+    from radixlm.kernels.store_kv import store_kv
+
+    dtype, limit = torch.bfloat16, 2**31
+    buf = torch.randn(limit + (1 << 20), device="cuda", dtype=torch.float32).to(dtype)  # ~4.3 GB
+
+    def big(cols: int) -> torch.Tensor:  # [rows, cols], rows * cols just past 2^31
+        rows = limit // cols + 2
+        return buf[: rows * cols].view(rows, cols)
+
+    gate_up = big(2 * 14336)
+    torch.testing.assert_close(silu_and_mul(gate_up)[-2:], silu_and_mul(gate_up[-2:].clone()), atol=0, rtol=0)
+
+    x, w = big(4096), torch.randn(4096, device="cuda", dtype=dtype)
+    torch.testing.assert_close(rmsnorm(x, w, 1e-5)[-2:], rmsnorm(x[-2:].clone(), w, 1e-5), atol=0, rtol=0)
+
+    qkv = big(6144)  # 32 q heads, 8 k heads, 8 v heads of 128
+    tail = qkv[-2:].clone()
+    positions = torch.zeros(qkv.shape[0], dtype=torch.int64, device="cuda")
+    positions[-2:] = torch.tensor([5, 4000])
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda", dtype=torch.float32) / 128))
+    heads = qkv.view(-1, 48, 128)
+    rotary_embedding_(heads[:, :32], heads[:, 32:40], positions, inv_freq)
+    small = tail.view(2, 48, 128)
+    rotary_embedding_(small[:, :32], small[:, 32:40], positions[-2:].clone(), inv_freq)
+    torch.testing.assert_close(qkv[-2:], tail, atol=0, rtol=0)
+
+    pools = [torch.zeros(2, 16, 8, 128, device="cuda", dtype=dtype) for _ in range(2)]
+    slots = torch.zeros(qkv.shape[0], dtype=torch.int64, device="cuda")
+    slots[-1] = 17  # the last token alone goes to page 1, slot 1
+    store_kv(*pools, heads[:, 32:40], heads[:, 40:], slots)
+    assert torch.equal(pools[0][1, 1], heads[-1, 32:40]) and torch.equal(pools[1][1, 1], heads[-1, 40:])
