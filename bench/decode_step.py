@@ -101,59 +101,75 @@ def measure_batch(
     def graph() -> None:
         model.compute_logits(runner.replay(next_ids, positions, tables)).argmax(-1).tolist()
 
+    device_time = device_ms(lambda: runner.replay(next_ids, positions, tables), steps)  # the graph alone, back to back
+    return dict(batch=bs, eager_ms=time_steps(eager, steps) * 1e3, graph_ms=time_steps(graph, steps) * 1e3,
+                graph_device_ms=device_time, kernels=kernel_breakdown(eager))
+
+
+def device_ms(fn, steps: int) -> float:
+    """Device ms per call of ``fn`` over ``steps`` back-to-back calls (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(steps):  # device time of the graph alone, back to back
-        runner.replay(next_ids, positions, tables)
+    for _ in range(steps):
+        fn()
     end.record()
     end.synchronize()
-    return dict(batch=bs, eager_ms=time_steps(eager, steps) * 1e3, graph_ms=time_steps(graph, steps) * 1e3,
-                graph_device_ms=start.elapsed_time(end) / steps, kernels=kernel_breakdown(eager))
+    return start.elapsed_time(end) / steps
 
 
 @torch.inference_mode()
-def gemv_sweep(model, pool: KVPool, tables: list[list[int]], context: int, max_pages: int, steps: int,
-               rounds: int = 3) -> list[dict]:  # fmt: skip
+def graph_variants(model, pool: KVPool, tables: list[list[int]], context: int, max_pages: int, steps: int,
+                   variants: dict[str, dict], rounds: int = 3) -> list[dict]:  # fmt: skip
     """Batch-1 graph device time (ms per step, the median of ``rounds`` interleaved rounds
-    of ``steps`` back-to-back replays) for tiles of the fused GEMVs (kernels/gemv.py
-    PROLOGUE_CONFIGS: RMSNorm(+RoPE/store) and SiLU prologues). Each variant captures its
-    own graph (configs are read at capture)."""
-    from dataclasses import replace
-
+    of ``steps`` back-to-back replays) per variant of kernels/gemv.py's module settings:
+    ``variants`` maps a name to {attribute: value} set while its graph is captured (the
+    model reads them at capture). The first variant is the reference of
+    ``max_abs_diff_vs_first``."""
     from radixlm.kernels import gemv as gemv_mod
 
-    base = dict(gemv_mod.PROLOGUE_CONFIGS)
-    tiles = {"n16k256": (16, 256), "n8k512": (8, 512), "n32k256": (32, 256), "n16k512": (16, 512)}
-    variants = [(f"norm_{t}_silu_n8k512", t, "n8k512") for t in tiles] + [
-        (f"norm_n16k256_silu_{t}", "n16k256", t) for t in ("n16k512", "n32k256")
-    ]
     page = pool.page_size
     model(ForwardBatch.build([[7] * context], [0], tables, [0], page, pool.device), pool)
     runners = {}
-    for name, norm_tile, silu_tile in variants:
-        for key, tile in (("rmsnorm", norm_tile), ("silu_mul", silu_tile)):
-            gemv_mod.PROLOGUE_CONFIGS[key] = replace(base[key], block_n=tiles[tile][0], block_k=tiles[tile][1])
-        runners[name] = CudaGraphRunner(model, pool, 1, max_pages, torch.zeros(1, dtype=torch.int64, device=pool.device))
-    gemv_mod.PROLOGUE_CONFIGS.update(base)
+    for name, settings in variants.items():
+        saved = {key: getattr(gemv_mod, key) for key in settings}
+        for key, value in settings.items():
+            setattr(gemv_mod, key, value)
+        try:
+            runners[name] = CudaGraphRunner(model, pool, 1, max_pages, torch.zeros(1, dtype=torch.int64, device=pool.device))
+        finally:
+            for key, value in saved.items():
+                setattr(gemv_mod, key, value)
     times: dict[str, list[float]] = {name: [] for name in runners}
     hidden = {}
     for _ in range(rounds):
         for name, runner in runners.items():
             hidden[name] = runner.replay([11], [context], tables).clone()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                runner.replay([11], [context], tables)
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / steps)
-    ref = hidden[variants[0][0]].float()
+            times[name].append(device_ms(lambda r=runner: r.replay([11], [context], tables), steps))
+    ref = hidden[next(iter(variants))].float()
     rows = [{"variant": name, "graph_device_ms": sorted(t)[len(t) // 2], "all_ms": t,
              "max_abs_diff_vs_first": (hidden[name].float() - ref).abs().max().item()}
             for name, t in times.items()]  # fmt: skip
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
+
+
+def gemv_tile_variants() -> dict[str, dict]:
+    """Tiles of the fused GEMVs (PROLOGUE_CONFIGS: RMSNorm(+RoPE/store) and SiLU prologues)."""
+    from dataclasses import replace
+
+    from radixlm.kernels.gemv import PROLOGUE_CONFIGS as base
+
+    tiles = {"n16k256": (16, 256), "n8k512": (8, 512), "n32k256": (32, 256), "n16k512": (16, 512)}
+    pairs = [(t, "n16k512") for t in tiles] + [("n32k256", t) for t in ("n8k512", "n32k256")]
+    return {
+        f"norm_{norm}_silu_{silu}": {"PROLOGUE_CONFIGS": dict(
+            base,
+            rmsnorm=replace(base["rmsnorm"], block_n=tiles[norm][0], block_k=tiles[norm][1]),
+            silu_mul=replace(base["silu_mul"], block_n=tiles[silu][0], block_k=tiles[silu][1]),
+        )}
+        for norm, silu in pairs
+    }  # fmt: skip
 
 
 def kernel_breakdown(step, top: int = 12) -> dict:
@@ -238,8 +254,9 @@ def main() -> None:
         rows=[],
     )
     if args.gemv_sweep:
-        result["gemv_sweep"] = gemv_sweep(model, pool, tables[:1], args.context, shape["max_position_embeddings"] // page,
-                                          args.steps)  # fmt: skip
+        result["gemv_sweep"] = graph_variants(model, pool, tables[:1], args.context,
+                                              shape["max_position_embeddings"] // page, args.steps,
+                                              gemv_tile_variants())  # fmt: skip
     for bs in args.batch:
         row = measure_batch(
             model, runner, pool, tables[:bs], args.context, shape["vocab_size"], args.steps

@@ -189,7 +189,7 @@ class LlamaAttention(nn.Module):
         token, and a plain float pool in the model's dtype (no FP8 / INT4 pages, key
         rotation or attention sink)."""
         k_pool = pool.k[self.layer_id]
-        if not (batch.is_decode and _gemv_ok(self.qkv_proj, x) and not pool.quantised and not pool.tiered
+        if not (_gemv_ok(self.qkv_proj, x) and batch.is_decode and not pool.quantised and not pool.tiered
                 and pool.qk_rotation is None and not pool.has_sink and k_pool.dtype == x.dtype
                 and k_pool.is_contiguous() and pool.v[self.layer_id].is_contiguous()):  # fmt: skip
             return None
