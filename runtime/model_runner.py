@@ -276,9 +276,8 @@ class ModelRunner:
         hidden = self._replay_decode(items, inputs, inflight, scoring)
         if hidden is None:
             hidden = self._replay_extend(items, inputs, inflight)
-        if hidden is not None:  # every item samples from its one row, in order
-            rows = [([], i) for i in range(len(items))]
-        else:
+        rows = None  # a graph's hidden states: every item samples from its one row, in order
+        if hidden is None:
             batch, rows = self.prepare(items, inputs)
             if inflight:
                 flat = to_device(torch.tensor([i for i, _ in inflight]), self.device)
@@ -292,9 +291,10 @@ class ModelRunner:
         if writes:  # int4 / mixed: demote pages that left the FP8 window (all of a prompt's)
             self.pool.end_pass(writes, [it.num_tokens > 1 or it.start < len(it.req.prompt_ids) for it in items])
         logits = self.model.compute_logits(hidden)  # [N, V] float32
-        step = PendingStep(items, [ItemResult() for _ in items])
+        step = PendingStep(items)
         if scoring:
-            self._prompt_logprobs(items, rows, logits, step.results)
+            step.results = [ItemResult() for _ in items]
+            self._prompt_logprobs(items, rows or [([], i) for i in range(len(items))], logits, step.results)
         self._sample(items, rows, logits, step, scoring)
         self._last_launch = step
         return step
@@ -342,7 +342,9 @@ class ModelRunner:
         inputs, inflight, base, prev_rows = [], [], 0, self._prev_rows
         for it in items:
             req, start, n = it.req, it.start, it.num_tokens
-            ids = req.tokens(start, start + n)  # a new list
+            k = start - len(req.prompt_ids)
+            # A new list: Req.tokens, with its decode case (one output token) inline.
+            ids = req.output_ids[k : k + 1] if n == 1 and k >= 0 else req.tokens(start, start + n)
             if len(ids) < n:  # only the last one can be in flight
                 row = prev_rows.get(req)
                 if len(ids) != n - 1 or row is None:
@@ -361,16 +363,20 @@ class ModelRunner:
         runner = self.graph_runner
         if runner is None or len(items) > runner.max_bs:
             return None
+        positions, tables, reqs = [], [], []
         for it in items:
             if it.num_tokens != 1 or not it.samples or (scoring and self._prompt_positions(it)):
                 return None
+            req = it.req
+            positions.append(it.start)
+            tables.append(req.pages)
+            reqs.append(req)
         src = [0] * len(items)
         for row, prev_row in inflight:
             src[row] = prev_row
         pool = self.pool
-        sinks = [pool.sink_lookup(it.req.prompt_ids[0]) for it in items] if pool.has_sink else None
-        return runner.replay([ids[0] for ids in inputs], [it.start for it in items],
-                             [it.req.pages for it in items], src, [it.req for it in items], sinks)
+        sinks = [pool.sink_lookup(req.prompt_ids[0]) for req in reqs] if pool.has_sink else None
+        return runner.replay([ids[0] for ids in inputs], positions, tables, src, reqs, sinks)
 
     def _replay_extend(self, items: list[ScheduleItem], inputs: list[list[int]],
                        inflight: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -458,21 +464,26 @@ class ModelRunner:
 
     def _sample(self, items: list[ScheduleItem], rows, logits: torch.Tensor, step: PendingStep,
                 want_logprobs: bool) -> None:
-        """Sample every item's row; ``want_logprobs``: some item returns logprobs (else
-        the sampled tokens' logprobs are not computed)."""
-        picks = [(i, r) for i, (_, r) in enumerate(rows) if r is not None]
+        """Sample every item's row; ``rows``: per item (its prompt-logprob rows, its sample
+        row or None), or None when item i samples row i of ``logits``. ``want_logprobs``:
+        some item returns logprobs (else the sampled tokens' logprobs are not computed)."""
+        if rows is None:  # item i samples row i
+            picks = list(range(len(items)))
+            reqs, sample_rows = [it.req for it in items], picks
+        else:
+            picks = [i for i, (_, r) in enumerate(rows) if r is not None]
+            reqs, sample_rows = [items[i].req for i in picks], [rows[i][1] for i in picks]
         if not picks:
             return
-        reqs = [items[i].req for i, _ in picks]
-        top_k = max(req.top_logprobs_num for req in reqs)
+        # Top logprobs only reach a request that returns logprobs (Scheduler._append_token).
+        top_k = max(req.top_logprobs_num for req in reqs) if want_logprobs else 0
         sb = self._sampling_batch(reqs)
         mask = None
         if any(req.grammar is not None for req in reqs):
             matchers = [self._grammar_for_step(req) for req in reqs]
             if any(m is not None for m in matchers):
                 mask = partial(self.grammar_masker.apply, matchers=matchers)
-        sample_rows = [r for _, r in picks]
-        if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
+        if sample_rows is picks or sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
             chosen = logits[sample_rows[0] : sample_rows[0] + len(sample_rows)]  # a view: no index copy
         else:
             chosen = logits[to_device(torch.tensor(sample_rows), self.device)]
@@ -480,7 +491,7 @@ class ModelRunner:
                      want_logprobs=want_logprobs)
         self._prev_ids[: len(picks)].copy_(out.next_ids)  # inputs of the next launch (overlap)
         self._prev_rows = {req: k for k, req in enumerate(reqs)}
-        step.picks, step.sampled = [i for i, _ in picks], out
+        step.picks, step.sampled = picks, out
         if self.device.type == "cuda":  # start the copies to the host now, wait in collect()
             step.sampled = SampleResult(*(t.to("cpu", non_blocking=True) if t is not None else None for t in (
                 out.next_ids, out.logprobs, out.top_ids, out.top_logprobs)))
@@ -494,7 +505,8 @@ class PendingStep:
     ids / logprobs on their way to the host. ``collect()`` waits and fills the results."""
 
     items: list[ScheduleItem]
-    results: list[ItemResult]
+    # Filled so far (prompt logprobs); None: nothing yet, built by ``collect``.
+    results: list[ItemResult] | None = None
     picks: list[int] = field(default_factory=list)  # item index of each sampled row
     sampled: SampleResult | None = None
     ready: Any = None  # CUDA event recorded after the copies to the host
@@ -506,6 +518,8 @@ class PendingStep:
         """Wait for the sampled ids and fill ``results`` (idempotent)."""
         out = self.sampled
         if out is None:
+            if self.results is None:
+                self.results = [ItemResult() for _ in self.items]
             return self.results
         if self.ready is not None:
             start = time.perf_counter()
@@ -515,13 +529,18 @@ class PendingStep:
         lps = out.logprobs.tolist() if out.logprobs is not None else [None] * len(next_ids)
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        self.sampled = None
+        if self.results is None and top_ids is None and len(self.picks) == len(self.items):  # item i sampled row i
+            self.results = [ItemResult(next_id, lp) for next_id, lp in zip(next_ids, lps, strict=True)]
+            return self.results
+        if self.results is None:
+            self.results = [ItemResult() for _ in self.items]
         for k, i in enumerate(self.picks):
             res, req = self.results[i], self.items[i].req
             res.next_id, res.logprob = next_ids[k], lps[k]
             if top_ids is not None and req.top_logprobs_num:
                 n = req.top_logprobs_num
                 res.top_logprobs = list(zip(top_ids[k][:n], top_lps[k][:n], strict=True))
-        self.sampled = None
         return self.results
 
 

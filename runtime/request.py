@@ -76,6 +76,13 @@ class Req:
     _packed: array = field(default_factory=lambda: array("I"), repr=False)  # see token_array
     stop_text: Any = None  # IncrementalDetokenizer of the output, kept by StopChecker for stop_regex
     sampling_info: Any = None  # SamplingInfo of a request without per-step sampling state (model runner)
+    # Set by the scheduler for a request whose every sampled token is only appended and
+    # checked against stop ids and lengths (no grammar, logprobs, stop strings or regexes,
+    # min_new_tokens): the ids that end it (StopChecker.fast_stop_ids), and the output
+    # length that ends it, min(max_new_tokens, context length - prompt length). None: the
+    # full per-token path (Scheduler._append_token).
+    fast_stop_ids: frozenset[int] | None = None
+    output_limit: int = 0
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:

@@ -121,6 +121,9 @@ class Scheduler:
         # max_new_tokens == 0 still runs the prompt (it is scored and cached, as SGLang's
         # frontend relies on for fork warm-up / cache_prefix); no token is appended.
         grammar = grammar_of(req.sampling)
+        if grammar is None and not req.return_logprob:
+            req.fast_stop_ids = self.stop_checker.fast_stop_ids(req)
+            req.output_limit = min(req.sampling.max_new_tokens, self.runner.context_length - len(req.prompt_ids))
         if grammar is not None:
             self.grammar_waiting.append((req, self.grammars.get(grammar)))
             return
@@ -280,9 +283,19 @@ class Scheduler:
                 req.prompt_top_logprobs.extend(res.prompt_top_logprobs or [None] * len(res.prompt_logprobs))
             if ends_prefill and not req.output_ids:  # first pass through the prompt
                 counters["prefill_cached"] += req.cached_tokens
-            if res.next_id is not None:
+            token = res.next_id
+            if token is not None:
                 req.num_inflight -= 1
-                self._append_token(req, res)
+                stop_ids = req.fast_stop_ids
+                if stop_ids is None:
+                    self._append_token(req, res)
+                else:  # _append_token's outcome for such a request, without its checks
+                    out = req.output_ids
+                    out.append(token)
+                    if token in stop_ids:
+                        req.finish("stop", token)
+                    elif len(out) >= req.output_limit:
+                        req.finish("length")
             if req.finish_reason is not None:
                 self._finish(req)
             elif req.stream and len(req.output_ids) - req.num_sent >= interval:
@@ -331,7 +344,8 @@ class Scheduler:
             self._emit(req)
 
     def _emit(self, req: Req) -> None:
-        new = slice(req.num_sent, len(req.output_ids))
+        num_out = len(req.output_ids)
+        new = slice(req.num_sent, num_out)
         out = m.ReqOutput(
             rid=req.rid,
             new_token_ids=req.output_ids[new],
@@ -349,7 +363,7 @@ class Scheduler:
                 out.prompt_logprobs = req.prompt_logprobs
                 out.prompt_top_logprobs = req.prompt_top_logprobs if req.top_logprobs_num else None
                 req.prompt_logprobs_sent = True
-        req.num_sent = len(req.output_ids)
+        req.num_sent = num_out
         self.outbox.append(out)
 
     # ----------------------------------------------------------------- stats / checks

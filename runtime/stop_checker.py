@@ -57,6 +57,18 @@ class StopChecker:
             return "length", None
         return None
 
+    def fast_stop_ids(self, req: Req) -> frozenset[int] | None:
+        """The token ids that end ``req`` whenever sampled, if they and the length limits
+        (``Req.output_limit``) are all of its finish conditions: no stop string, stop regex
+        or ``min_new_tokens``, and ``max_new_tokens`` > 0. Else None: ``check`` is needed.
+        The scheduler's per-token fast path (``Req.fast_stop_ids``) gives the same verdicts
+        as ``check`` for such a request."""
+        sp = req.sampling
+        if sp.stop or sp.stop_regex or sp.min_new_tokens > 0 or sp.max_new_tokens <= 0:
+            return None
+        ids = frozenset(sp.stop_token_ids)
+        return ids if sp.ignore_eos else ids | self.eos_token_ids
+
     def _update_text(self, req: Req) -> None:
         """Bring ``req.stop_text`` (the output text so far) up to date with output_ids."""
         if req.stop_text is None:

@@ -3,9 +3,15 @@ launched before the host reads the token in flight, and nothing a request return
 
 from __future__ import annotations
 
+from functools import partial
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from radixlm.runtime import messages as m
+from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
+from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
@@ -16,11 +22,13 @@ def runner(smollm2_dir: str) -> ModelRunner:
     return ModelRunner(ServerArgs(model_path=smollm2_dir, device="cpu", max_total_tokens=4096))
 
 
-def _run(runner: ModelRunner, overlap: bool) -> dict[str, m.ReqOutput]:
+PROMPTS = {"a": [1, 504, 3458, 282, 4649, 314], "b": [1, 20, 30, 40, 50, 60, 70, 80, 90]}
+
+
+def _run(runner: ModelRunner, overlap: bool, prompts: dict[str, list[int]] = PROMPTS) -> dict[str, m.ReqOutput]:
     s = Scheduler(ServerArgs(model_path="unused", disable_overlap_schedule=not overlap, debug_invariants=True), runner)
-    prompts = {"a": [1, 504, 3458, 282, 4649, 314], "b": [1, 20, 30, 40, 50, 60, 70, 80, 90]}
     for rid, ids in prompts.items():
-        s.handle(m.GenerateReq(rid=rid, input_ids=ids, return_logprob=True, logprob_start_len=0,
+        s.handle(m.GenerateReq(rid=rid, input_ids=ids, return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
                                sampling=m.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)))
     outs: dict[str, m.ReqOutput] = {}
     for _ in range(30):
@@ -41,6 +49,50 @@ def test_overlap_gives_the_same_tokens_and_logprobs_as_reading_each_step(runner:
         assert len(with_overlap[rid].new_token_ids) == 5 and with_overlap[rid].finish_reason == "length"
         assert with_overlap[rid].new_logprobs == pytest.approx(without[rid].new_logprobs, abs=1e-4)
         assert with_overlap[rid].prompt_logprobs[1:] == pytest.approx(without[rid].prompt_logprobs[1:], abs=1e-4)
+
+
+class EagerGraphs(CudaGraphRunner):
+    """The decode CUDA graphs' host side on the CPU: ``replay`` stages its inputs and
+    page-table writes as on the GPU, and each "graph" runs the graph's ops eagerly from
+    those staged inputs (device page-table rows included), so the model runner's graph path
+    (one sampled row per item, in order) runs without CUDA."""
+
+    def __init__(self, runner: ModelRunner, max_bs: int) -> None:  # no super(): nothing captured
+        pages = -(-runner.context_length // runner.page_size)
+        self._buffers(runner.model, runner.pool, max_bs, pages, runner._prev_ids, 0)
+        self.graphs = {bs: SimpleNamespace(replay=partial(self._eager, bs)) for bs in self.batch_sizes}
+        self.outputs, self.replays = {}, 0
+
+    def _eager(self, bs: int) -> None:
+        self.replays += 1
+        self._write_pages()
+        ids = torch.where(self.input_ids[:bs] >= 0, self.input_ids[:bs], self.prev_ids[self.src_rows[:bs]])
+        tables = self.req_pages[self.table_rows[:bs]].tolist()
+        batch = ForwardBatch.build([[i] for i in ids.tolist()], self.positions[:bs].tolist(), tables,
+                                   list(range(bs)), self.page_size, "cpu")
+        assert batch.out_slots.tolist() == self.out_slots[:bs].tolist()  # the staged KV slots
+        self.outputs[bs] = self.model.forward(batch, self.pool)
+
+
+def test_the_decode_graph_path_gives_the_eager_paths_tokens_and_logprobs(runner: ModelRunner, monkeypatch) -> None:
+    """The model runner's decode-graph path (graph hidden states, each item sampling its own
+    row; logprobs and top logprobs; a one-token prompt whose first step already decodes from
+    its graph) returns what the eager path returns, with and without overlap."""
+    prompts = {**PROMPTS, "c": [1]}
+    eager = {overlap: _run(runner, overlap, prompts) for overlap in (True, False)}
+    graphs = EagerGraphs(runner, max_bs=4)
+    monkeypatch.setattr(runner, "graph_runner", graphs)
+    for overlap in (True, False):
+        before = graphs.replays
+        got = _run(runner, overlap, prompts)
+        assert graphs.replays - before >= 4  # decode steps took the graph path
+        for rid in prompts:
+            assert got[rid].new_token_ids == eager[overlap][rid].new_token_ids
+            assert got[rid].new_logprobs == pytest.approx(eager[overlap][rid].new_logprobs, abs=1e-4)
+            assert got[rid].new_top_logprobs is not None
+            assert [[t for t, _ in top] for top in got[rid].new_top_logprobs] == [
+                [t for t, _ in top] for top in eager[overlap][rid].new_top_logprobs]
+            assert got[rid].prompt_logprobs[1:] == pytest.approx(eager[overlap][rid].prompt_logprobs[1:], abs=1e-4)
 
 
 def test_sampling_batch_is_reused_only_for_the_same_stateless_rows(runner: ModelRunner) -> None:

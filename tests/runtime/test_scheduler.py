@@ -5,8 +5,11 @@ from __future__ import annotations
 from concurrent.futures import Future
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import xgrammar as xgr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixlm.radix.eviction import ContinuationOdds
 from radixlm.runtime import messages as m
@@ -321,3 +324,40 @@ def test_admission_batching_default_needs_cuda_graphs():
     runner = StubRunner()
     runner.graph_runner = object()
     assert make(runner, max_running_requests=256).planner.admit_batch == 32
+
+
+class PerRequestRunner(StubRunner):
+    """Request ``rid`` samples ``scripts[rid]`` in turn (then EOS), whatever else runs."""
+
+    def __init__(self, scripts: dict[str, list[int]]) -> None:
+        super().__init__()
+        self.scripts = {rid: iter(script) for rid, script in scripts.items()}
+
+    def launch(self, decision) -> PendingStep:
+        results = [ItemResult(next_id=next(self.scripts[it.req.rid], EOS) if it.samples else None, logprob=-0.5)
+                   for it in decision.items]
+        return PendingStep(decision.items, results)
+
+
+@settings(max_examples=60, deadline=None)
+@given(script=st.lists(st.sampled_from([EOS, 5, 6, 7]), min_size=1, max_size=14),
+       stop_token_ids=st.lists(st.sampled_from([5, 6]), max_size=2), ignore_eos=st.booleans(),
+       max_new_tokens=st.integers(1, 12), n_prompt=st.sampled_from([20, 244, 250]))
+def test_the_per_token_fast_path_finishes_as_the_full_check(script, stop_token_ids, ignore_eos, max_new_tokens,
+                                                             n_prompt):
+    """A request with no grammar, logprobs, stop strings or min_new_tokens takes the
+    scheduler's per-token fast path (Req.fast_stop_ids); the same request returning logprobs
+    takes _append_token and StopChecker.check. Same tokens in: same output, finish reason
+    and matched stop out (EOS, stop ids, ignore_eos, max_new_tokens, the 256-token context)."""
+    s = make(PerRequestRunner({"fast": script, "full": script}))
+    params = dict(stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_new_tokens=max_new_tokens)
+    s.handle(gen("fast", n_prompt=n_prompt, **params))
+    s.handle(msgspec.structs.replace(gen("full", n_prompt=n_prompt, **params), return_logprob=True))
+    assert s.reqs["fast"].fast_stop_ids is not None and s.reqs["full"].fast_stop_ids is None
+    outs: dict[str, list[m.ReqOutput]] = {}
+    for out in run(s):
+        outs.setdefault(out.rid, []).append(out)
+    fast, full = outs["fast"], outs["full"]
+    assert [t for o in fast for t in o.new_token_ids] == [t for o in full for t in o.new_token_ids]
+    assert (fast[-1].finish_reason, fast[-1].matched_stop) == (full[-1].finish_reason, full[-1].matched_stop)
+    assert fast[-1].finish_reason in ("stop", "length")
