@@ -267,14 +267,14 @@ class ModelRunner:
         device from the previous launch's sampled ids, so the host never waits for it.
         """
         items = decision.items
-        inputs, inflight = self._inputs(items)
         writes = [(it.req.pages, it.start, it.num_tokens) for it in items] if self.pool.tiered else []
         self.pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the pages written
         # Whether any item may score prompt tokens (``_prompt_positions``): rarely, so a step
         # without logprob requests skips the per-item checks.
         scoring = any(it.req.return_logprob for it in items)
-        hidden = self._replay_decode(items, inputs, inflight, scoring)
+        hidden = self._replay_decode(items, scoring)
         if hidden is None:
+            inputs, inflight = self._inputs(items)
             hidden = self._replay_extend(items, inputs, inflight)
         rows = None  # a graph's hidden states: every item samples from its one row, in order
         if hidden is None:
@@ -339,44 +339,52 @@ class ModelRunner:
     def _inputs(self, items: list[ScheduleItem]) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """Each item's input token ids, and (flat index, row of the previous launch's
         samples) of the inputs not known yet on the host (written as -1 in the ids)."""
-        inputs, inflight, base, prev_rows = [], [], 0, self._prev_rows
+        inputs, inflight, base = [], [], 0
         for it in items:
             req, start, n = it.req, it.start, it.num_tokens
-            k = start - len(req.prompt_ids)
-            # A new list: Req.tokens, with its decode case (one output token) inline.
-            ids = req.output_ids[k : k + 1] if n == 1 and k >= 0 else req.tokens(start, start + n)
+            ids = req.tokens(start, start + n)  # a new list
             if len(ids) < n:  # only the last one can be in flight
-                row = prev_rows.get(req)
-                if len(ids) != n - 1 or row is None:
-                    raise RuntimeError(f"request {req.rid}: input tokens missing at {start}")
-                inflight.append((base + n - 1, row))
+                inflight.append((base + n - 1, self._inflight_row(req, start, len(ids) == n - 1)))
                 ids.append(-1)
             inputs.append(ids)
             base += n
         return inputs, inflight
 
-    def _replay_decode(self, items: list[ScheduleItem], inputs: list[list[int]],
-                       inflight: list[tuple[int, int]], scoring: bool) -> torch.Tensor | None:
+    def _inflight_row(self, req: Req, start: int, only_last_missing: bool) -> int:
+        """The row of the previous launch's samples that holds ``req``'s input token in flight.
+        Raises RuntimeError if more than that token is missing or the last launch did not
+        sample for ``req`` (a scheduler bug)."""
+        row = self._prev_rows.get(req)
+        if not only_last_missing or row is None:
+            raise RuntimeError(f"request {req.rid}: input tokens missing at {start}")
+        return row
+
+    def _replay_decode(self, items: list[ScheduleItem], scoring: bool) -> torch.Tensor | None:
         """Hidden states [B, E] from a CUDA graph if this step is a pure decode step that
         fits one (one token per item, each sampling, no prompt logprobs: none if not
-        ``scoring``); else None."""
+        ``scoring``); else None. Reads each item's input token itself (``_inputs`` for one
+        token per item, in the same loop as the rest)."""
         runner = self.graph_runner
         if runner is None or len(items) > runner.max_bs:
             return None
-        positions, tables, reqs = [], [], []
+        input_ids, src, positions, tables, reqs = [], [], [], [], []
         for it in items:
             if it.num_tokens != 1 or not it.samples or (scoring and self._prompt_positions(it)):
                 return None
-            req = it.req
-            positions.append(it.start)
+            req, start = it.req, it.start
+            out, k = req.output_ids, start - len(req.prompt_ids)
+            if k < len(out):  # known on the host
+                input_ids.append(out[k] if k >= 0 else req.prompt_ids[start])
+                src.append(0)
+            else:  # in flight: read from the previous launch's samples on the device
+                input_ids.append(-1)
+                src.append(self._inflight_row(req, start, k == len(out)))
+            positions.append(start)
             tables.append(req.pages)
             reqs.append(req)
-        src = [0] * len(items)
-        for row, prev_row in inflight:
-            src[row] = prev_row
         pool = self.pool
         sinks = [pool.sink_lookup(req.prompt_ids[0]) for req in reqs] if pool.has_sink else None
-        return runner.replay([ids[0] for ids in inputs], positions, tables, src, reqs, sinks)
+        return runner.replay(input_ids, positions, tables, src, reqs, sinks)
 
     def _replay_extend(self, items: list[ScheduleItem], inputs: list[list[int]],
                        inflight: list[tuple[int, int]]) -> torch.Tensor | None:

@@ -244,8 +244,12 @@ class BatchPlanner:
             if inflight and (num_out + inflight >= req.sampling.max_new_tokens
                              or (context is not None and seq_len >= context)):
                 continue
-            n = min(seq_len - start, chunk, budget)
-            if n == 0:
+            n = seq_len - start  # min(seq_len - start, chunk, budget), without the call
+            if n > chunk:
+                n = chunk
+            if n > budget:
+                n = budget
+            if n <= 0:
                 continue
             end = start + n
             if len(req.pages) * page_size < end and not self._grow_or_preempt(req, end, decision):

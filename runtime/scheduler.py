@@ -224,11 +224,11 @@ class Scheduler:
         was_prefill, ends_prefill, recomputed = [], [], 0
         for item in step.items:
             req = item.req
-            start, n_prompt = req.num_computed, len(req.prompt_ids)
+            start, n_prompt, high = req.num_computed, len(req.prompt_ids), req.max_computed
             end = start + item.num_tokens
-            if req.max_computed > start:  # recomputed after a preemption
-                recomputed += min(req.max_computed, end) - start
-            if req.max_computed < end:
+            if high > start:  # recomputed after a preemption
+                recomputed += min(high, end) - start
+            if high < end:
                 req.max_computed = end
             req.num_computed = end
             if item.samples:
