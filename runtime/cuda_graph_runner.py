@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Hashable
 
 import torch
@@ -256,10 +257,9 @@ class CudaGraphRunner:
 
     def bucket(self, batch_size: int) -> int | None:
         """The smallest captured batch size >= ``batch_size`` (None if none is)."""
-        for bs in self.batch_sizes:
-            if bs >= batch_size:
-                return bs
-        return None
+        sizes = self.batch_sizes
+        k = bisect_left(sizes, batch_size)
+        return sizes[k] if k < len(sizes) else None
 
     def replay(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]],
                src_rows: list[int] | None = None, keys: list[Hashable] | None = None,
@@ -287,11 +287,10 @@ class CudaGraphRunner:
         size, max_pages = self.page_size, self.max_pages
         slots = []
         for pos, table in zip(positions, page_tables, strict=True):
-            page = pos // size
-            if page >= len(table):
-                raise ValueError(f"page table of {len(table)} pages does not reach position {pos}")
-            if len(table) > max_pages:
-                raise ValueError(f"page table of {len(table)} pages exceeds the captured width {max_pages}")
+            page, width = pos // size, len(table)
+            if page >= width or width > max_pages:
+                raise ValueError(f"page table of {width} pages does not reach position {pos}" if page >= width
+                                 else f"page table of {width} pages exceeds the captured width {max_pages}")
             slots.append(table[page] * size + pos % size)
         rows, writes = self._sync_tables(keys if keys is not None else [object() for _ in range(b)], page_tables,
                                          in_graph=self.max_bs)
