@@ -367,7 +367,7 @@ class ModelRunner:
         runner = self.graph_runner
         if runner is None or len(items) > runner.max_bs:
             return None
-        input_ids, src, positions, tables, reqs = [], [], [], [], []
+        input_ids, src, positions, tables, reqs, prev_rows = [], [], [], [], [], self._prev_rows
         for it in items:
             if it.num_tokens != 1 or not it.samples or (scoring and self._prompt_positions(it)):
                 return None
@@ -377,8 +377,9 @@ class ModelRunner:
                 input_ids.append(out[k] if k >= 0 else req.prompt_ids[start])
                 src.append(0)
             else:  # in flight: read from the previous launch's samples on the device
+                row = prev_rows.get(req)
                 input_ids.append(-1)
-                src.append(self._inflight_row(req, start, k == len(out)))
+                src.append(row if row is not None and k == len(out) else self._inflight_row(req, start, False))
             positions.append(start)
             tables.append(req.pages)
             reqs.append(req)
