@@ -19,8 +19,9 @@ table width (context length / page size), E hidden size.
                 model.forward(batch of ids over the first Bg rows) -> hidden [Bg, E]
 
 A decode step's page-table writes (a request that grew a page: one each) ride in the same
-copy as the other inputs and are applied inside the graph; only a step with more than
-Bmax writes (a new or re-admitted request's whole row) copies the excess first, outside.
+copy as the other inputs and are applied inside the graph, up to Bmax of them; a run of
+writes that does not fit (a new or re-admitted request's whole row) is written first,
+outside, all such runs in one index copy.
 
 ``prev_ids`` is the model runner's buffer of the previous step's sampled ids: an input of
 -1 is a token the host does not know yet (overlap scheduling), read there on the device.
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from bisect import bisect_left
 from collections.abc import Hashable
 
@@ -355,15 +357,28 @@ class CudaGraphRunner:
 
     def _sync_tables(self, keys: list[Hashable], page_tables: list[list[int]], in_graph: int = 0
                      ) -> tuple[list[int], list[tuple[int, int, int]]]:
-        """Device page-table row of each request, and the last (up to ``in_graph``) of the
-        (row, column, page id) writes that bring the rows up to date, left for the graph
-        to apply; the others are written now (queued on the stream before the replay)."""
-        rows, updates = self.tables.sync(keys, page_tables)
-        now = len(updates) - in_graph
-        if now > 0:
-            u = to_device(torch.tensor(updates[:now], dtype=torch.int64), self.req_pages.device)
-            self.req_pages[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
-        return rows, updates[max(now, 0):]
+        """Device page-table row of each request, and up to ``in_graph`` (row, column, page
+        id) writes that bring the rows up to date, left for the graph to apply: the changed
+        runs that fit (a decode step: one page id per request that grew a page). The other
+        runs (a new request's whole row) are written now, all in one index copy queued on
+        the stream before the replay."""
+        rows, runs = self.tables.sync(keys, page_tables)
+        graph_writes: list[tuple[int, int, int]] = []
+        index: list[int] = []
+        values: list[int] = []
+        width = self.req_pages.shape[1]
+        for row, first, pages in runs:
+            if len(graph_writes) + len(pages) <= in_graph:
+                graph_writes.extend((row, first + i, page) for i, page in enumerate(pages))
+            else:
+                start = row * width + first
+                index.extend(range(start, start + len(pages)))
+                values.extend(pages)
+        if index:  # array -> tensor without a per-element conversion
+            device = self.req_pages.device
+            flat = to_device(torch.frombuffer(array("q", index), dtype=torch.int64), device)
+            self.req_pages.view(-1)[flat] = to_device(torch.frombuffer(array("i", values), dtype=torch.int32), device)
+        return rows, graph_writes
 
 
 class PageTableRows:
@@ -382,11 +397,13 @@ class PageTableRows:
         self._mirror: list[list[int]] = [[] for _ in range(num_rows)]
         self._free = list(range(num_rows - 1, 0, -1))
 
-    def sync(self, keys: list[Hashable], page_tables: list[list[int]]) -> tuple[list[int], list[tuple[int, int, int]]]:
-        """(row per request, (row, column, page id) writes that bring the device rows up to
-        date). Usually no write, or one per request that grew a page; a request whose
-        pages changed other than by appending (prefix pages swapped for the radix tree's
-        copies, pages replaced after a preemption) has its whole row rewritten.
+    def sync(self, keys: list[Hashable], page_tables: list[list[int]]
+             ) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
+        """(row per request, (row, first column, page ids) runs of writes that bring the
+        device rows up to date). Usually no run, or a one-page run per request that grew a
+        page; a request whose pages changed other than by appending (prefix pages swapped
+        for the radix tree's copies, pages replaced after a preemption) has its whole row
+        rewritten.
 
         Raises ValueError if the step has more requests than rows.
         """
@@ -404,7 +421,7 @@ class PageTableRows:
             if pages != mirror:
                 appended = len(pages) >= len(mirror) and pages[: len(mirror)] == mirror
                 start = len(mirror) if appended else 0
-                updates.extend((row, col, pages[col]) for col in range(start, len(pages)))
+                updates.append((row, start, pages[start:]))
                 self._mirror[row] = list(pages)
             rows.append(row)
         return rows, updates

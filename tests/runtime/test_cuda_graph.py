@@ -43,16 +43,16 @@ def test_graph_extend_sizes() -> None:
 def test_page_table_rows_copy_only_what_changed() -> None:
     rows = PageTableRows(4)  # rows 1..3
     a, b, c, d = "a", "b", "c", "d"
-    assert rows.sync([a, b], [[5, 6], [7]]) == ([1, 2], [(1, 0, 5), (1, 1, 6), (2, 0, 7)])
+    assert rows.sync([a, b], [[5, 6], [7]]) == ([1, 2], [(1, 0, [5, 6]), (2, 0, [7])])
     assert rows.sync([a, b], [[5, 6], [7]]) == ([1, 2], [])  # nothing changed
-    assert rows.sync([b, a], [[7, 9], [5, 6]]) == ([2, 1], [(2, 1, 9)])  # b grew one page
+    assert rows.sync([b, a], [[7, 9], [5, 6]]) == ([2, 1], [(2, 1, [9])])  # b grew one page
     # a's first page swapped for the tree's copy (dedup): the whole row is rewritten
-    assert rows.sync([a], [[4, 6, 8]]) == ([1], [(1, 0, 4), (1, 1, 6), (1, 2, 8)])
-    assert rows.sync([a], [[4]]) == ([1], [(1, 0, 4)])  # shrank (preempted, re-admitted)
-    assert rows.sync([c], [[1]]) == ([3], [(3, 0, 1)])
+    assert rows.sync([a], [[4, 6, 8]]) == ([1], [(1, 0, [4, 6, 8])])
+    assert rows.sync([a], [[4]]) == ([1], [(1, 0, [4])])  # shrank (preempted, re-admitted)
+    assert rows.sync([c], [[1]]) == ([3], [(3, 0, [1])])
     # no row free: a and b (not in this step) give theirs back; c keeps its row
-    assert rows.sync([c, d], [[1], [2]]) == ([3, 2], [(2, 0, 2)])
-    assert rows.sync([a], [[4]]) == ([1], [(1, 0, 4)])  # a comes back: written from scratch
+    assert rows.sync([c, d], [[1], [2]]) == ([3, 2], [(2, 0, [2])])
+    assert rows.sync([a], [[4]]) == ([1], [(1, 0, [4])])  # a comes back: written from scratch
     with pytest.raises(ValueError, match="rows"):
         rows.sync([a, b, c, d], [[1], [2], [3], [4]])
 
@@ -84,13 +84,16 @@ def test_decode_page_table_writes_ride_with_the_step_inputs() -> None:
             row = runner.tables._row_of[key]
             assert runner.req_pages[row, : len(table)].tolist() == table, (key, table)
 
-    # Two new requests: 2 + 3 = 5 writes > Bmax 4, so the first one goes before the replay.
+    # Two new requests: 2 + 3 = 5 writes > Bmax 4. a's run of 2 fits in the graph's writes;
+    # b's run of 3 then does not, and is written before the replay (one index copy).
     step(["a", "b"], [[5, 6], [7, 8, 9]])
-    assert replays == [4]
+    assert replays == [2]
     step(["a", "b"], [[5, 6, 11], [7, 8, 9]])  # a grew one page: one write, in the graph
-    assert replays == [4, 1]
+    assert replays == [2, 1]
     step(["a", "b"], [[5, 6, 11], [7, 8, 9]])  # nothing changed: only padding writes
-    assert replays == [4, 1, 0]
+    assert replays == [2, 1, 0]
+    step(["c", "d"], [[12, 13, 14], [15, 16, 17, 18]])  # two more new rows: c's 3 in the graph, d's 4 before
+    assert replays == [2, 1, 0, 3]
     # Padding writes land on the dummy row 0, entry 0, which stays page 0.
     assert runner.req_pages[0].tolist() == [0] * 8
 
