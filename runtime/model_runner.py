@@ -379,7 +379,7 @@ class ModelRunner:
             else:  # in flight: read from the previous launch's samples on the device
                 row = prev_rows.get(req)
                 input_ids.append(-1)
-                src.append(row if row is not None and k == len(out) else self._inflight_row(req, start, False))
+                src.append(row if row is not None else self._inflight_row(req, start, True))
             positions.append(start)
             tables.append(req.pages)
             reqs.append(req)
