@@ -1,0 +1,14 @@
+#!/bin/bash
+# usage: ab_churn.sh OLD_DIR ROUNDS (from the checkout's root; OLD_DIR made by mkold.sh)
+# Alternates the old package and the working tree on the CPU proxy of the scheduler's host
+# time per decode step (profile_step.py --stub-model --churn 256 at batch 64) and prints
+# each side's busy ms per decode step, sorted.
+for i in $(seq "$2"); do
+  for t in old new; do
+    if [ $t = old ]; then pp=$1; else pp=; fi
+    r=$(PYTHONPATH=$pp GPU_E2E_DEVICE=cpu .venv/bin/python bench/profile_step.py --shape tiny --vocab 512 \
+        --stub-model --tokenizer-dir .gpu_tok --batch 64 --churn 256 --no-profile --out /tmp/prof 2>&1 \
+        | grep -o "busy [0-9.]*" | cut -d' ' -f2)
+    echo "$t $r"
+  done
+done | sort | awk '{a[$1]=a[$1]" "$2} END {for (k in a) print k, a[k]}'
