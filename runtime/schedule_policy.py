@@ -319,6 +319,8 @@ class BatchPlanner:
 
     def _admit_waiting(self, decision: ScheduleDecision, budget: int) -> None:
         self._running_reserve = None  # the running requests' decode reserve, summed lazily
+        if not self.waiting:  # nothing to order (the order's per-plan refresh waits for a request)
+            return
         with contextlib.closing(self.order.candidates(self.waiting, self.running)) as candidates:
             for req in candidates:
                 if budget <= 0 or len(self.running) >= self.max_running_requests:
