@@ -18,8 +18,9 @@ path's host code with nothing replayed (``HostOnlyGraphs``), as the GPU server's
 ``--no-profile`` also splits the step's host time into plan / launch / _advance /
 _collect (collect includes waiting for the device). ``--churn N`` runs N requests through
 ``--batch`` slots, each finished one replaced at once (the serving benchmark's random
-run at ``--max-concurrency``: the batch changes every few steps), and reports the
-scheduler's busy time per pure decode step, the figure the server exports.
+run at ``--max-concurrency``: the batch changes every few steps), each step as a turn of
+the server loop (``Scheduler.serve_once``: the outputs encoded as for the socket), and
+reports the scheduler's busy time per pure decode step, the figure the server exports.
 """
 
 from __future__ import annotations
@@ -66,27 +67,34 @@ def churn(sched: Scheduler, args: argparse.Namespace, vocab: int, rng: random.Ra
     benchmark's random run at ``--max-concurrency``); prints the scheduler's busy time per
     pure decode step (the served counter) and, without ``--no-profile``, a cProfile."""
     sent = done = 0
+    pending: list[m.GenerateReq] = []  # handled in the next loop turn, as the server does
 
     def send() -> None:
         nonlocal sent
-        sched.handle(m.GenerateReq(
+        pending.append(m.GenerateReq(
             rid=f"c{sent}", input_ids=[rng.randrange(3, min(vocab, 40000)) for _ in range(512)], stream=True,
             sampling=m.SamplingParams(max_new_tokens=256, ignore_eos=True, temperature=0.0)))
         sent += 1
 
+    class Sink:  # the loop's output socket without ZeroMQ: the message is encoded, then read here
+        def send(self, msg) -> None:
+            m.encode(msg)
+            finished.extend(out.finish_reason is not None for out in getattr(msg, "outputs", ()))
+
+    sink, finished = Sink(), []
     for _ in range(args.batch):
         send()
     prof = cProfile.Profile()
     if not args.no_profile:
         prof.enable()
     while done < args.churn:
-        sched._safe_step()
-        for out in sched.outbox:
-            if out.finish_reason is not None:
-                done += 1
-                if sent < args.churn:
-                    send()
-        sched.outbox.clear()
+        msgs, pending[:] = list(pending), []
+        sched.serve_once(msgs, sink)  # a turn of the server loop: handle, step, encode and send
+        for _ in range(sum(finished)):
+            done += 1
+            if sent < args.churn:
+                send()
+        finished.clear()
     prof.disable()
     c = sched.counters
     text = io.StringIO()

@@ -144,7 +144,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     prefill_tokens_recomputed: int = 0  # cumulative: KV computed again after a preemption
     forward_steps: int = 0  # cumulative: forward passes launched
     decode_steps: int = 0  # cumulative: forward passes where every item decodes one token
-    scheduler_busy_seconds: float = 0.0  # cumulative: scheduler loop time not waiting for the device
+    scheduler_busy_seconds: float = 0.0  # cumulative: scheduler loop time not waiting for the device or messages
     scheduler_decode_busy_seconds: float = 0.0  # cumulative: the part of it in steps that launched a decode pass
     kv_waste_tokens: int = 0  # KV slots held by running requests without a computed token
     page_size: int = 1  # tokens per KV page (to turn the page counts into tokens)

@@ -60,7 +60,8 @@ class Metrics:
         self.forward_steps = gauge("forward_steps_total", "Forward passes launched.")
         self.decode_steps = gauge("decode_steps_total", "Forward passes where every request decodes one token.")
         self.busy = gauge("scheduler_busy_seconds_total",
-                          "Scheduler loop time not spent waiting for the device (planning, launching, output).")
+                          "Scheduler loop time not spent waiting for the device or for messages "
+                          "(handling requests, planning, launching, output, sending).")
         self.decode_busy = gauge("scheduler_decode_busy_seconds_total",
                                  "The part of scheduler_busy_seconds_total spent in steps that launched a "
                                  "decode pass (every request one token): divide by decode_steps_total for "

@@ -440,12 +440,28 @@ class Scheduler:
                 return
             msg = recv.recv(timeout_ms=self.idle_timeout_ms)
             msgs = ([msg] if msg is not None else []) + recv.recv_all()
-            for msg in msgs:
-                self.handle(msg)
-            worked = self._safe_step()
-            self._flush(send)
+            worked = self.serve_once(msgs, send)
             if not worked and not self.has_work and self.args.debug_invariants and msgs:
                 self._debug_check("when idle")
+
+    def serve_once(self, msgs: list[Any], send: Any) -> bool:
+        """One turn of the loop: handle ``msgs``, run one step (``_safe_step``), send its
+        outputs with ``send.send`` (a MsgSocket: encoded and queued). The seconds spent
+        handling and sending are added to the busy counters as well as the step's own, so
+        ``scheduler_decode_busy_seconds`` holds all the loop's host time of a decode step
+        but the wait for messages. Returns what the step returned."""
+        start = time.perf_counter()
+        for msg in msgs:
+            self.handle(msg)
+        handled = time.perf_counter() - start
+        worked = self._safe_step()
+        start = time.perf_counter()
+        self._flush(send)
+        extra = handled + time.perf_counter() - start
+        self.counters["busy_s"] += extra
+        if self._decode_step:
+            self.counters["decode_busy_s"] += extra
+        return worked
 
     def close(self) -> None:
         """Stop the grammar compiler's worker thread (the model is freed with the object)."""

@@ -361,3 +361,27 @@ def test_the_per_token_fast_path_finishes_as_the_full_check(script, stop_token_i
     assert [t for o in fast for t in o.new_token_ids] == [t for o in full for t in o.new_token_ids]
     assert (fast[-1].finish_reason, fast[-1].matched_stop) == (full[-1].finish_reason, full[-1].matched_stop)
     assert fast[-1].finish_reason in ("stop", "length")
+
+
+def test_a_loop_turn_counts_handling_and_sending_in_the_busy_time():
+    """``serve_once`` (one turn of the server loop) adds the time spent handling messages
+    and sending outputs to the busy counters, the decode share included when the step
+    decoded: a send that takes 20 ms shows in both."""
+    import time
+
+    class SlowSend:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, msg) -> None:
+            time.sleep(0.02)
+            self.sent.append(msg)
+
+    s, send = make(StubRunner()), SlowSend()
+    streamed = msgspec.structs.replace(gen("a", max_new_tokens=4), stream=True)  # an output every step
+    assert s.serve_once([streamed], send)  # prefill: not a decode step
+    assert s.counters["decode_busy_s"] == 0 and s.counters["busy_s"] >= 0.02
+    while s.counters["decode_steps"] == 0:
+        s.serve_once([], send)
+    assert s.counters["decode_busy_s"] >= 0.02  # its step's outputs were sent in the same turn
+    assert any(isinstance(msg, m.BatchOutput) for msg in send.sent)
