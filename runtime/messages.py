@@ -97,11 +97,15 @@ class CheckInvariantsOut(msgspec.Struct, tag=True, kw_only=True):
     violations: list[str]  # found by --debug-invariants checks since start
 
 
-class ReqOutput(msgspec.Struct, kw_only=True):
+class ReqOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     """New tokens of one request since its last output (all lists aligned with
     ``new_token_ids``). ``finish_reason`` is set on the last output of a request:
     "stop" (EOS, stop token or stop string; ``matched_stop`` says which), "length",
-    or "abort" (``error`` says why)."""
+    or "abort" (``error`` says why).
+
+    One is made per streamed request per decode step: encoded as an array (no field
+    names: 64 outputs encode in half the time, in a sixth of the bytes) and not tracked
+    by the garbage collector (it holds no reference back to anything that holds it)."""
 
     rid: str
     new_token_ids: list[int]
