@@ -78,9 +78,9 @@ class Req:
     sampling_info: Any = None  # SamplingInfo of a request without per-step sampling state (model runner)
     # Set by the scheduler for a request whose every sampled token is only appended and
     # checked against stop ids and lengths (no grammar, logprobs, stop strings or regexes,
-    # min_new_tokens): the ids that end it (StopChecker.fast_stop_ids), and the output
+    # min_new_tokens): the ids that end it, and the output
     # length that ends it, min(max_new_tokens, context length - prompt length). None: the
-    # full per-token path (Scheduler._append_token).
+    # full per-token path (Scheduler._append_token). StopChecker.set_fast_path sets both.
     fast_stop_ids: frozenset[int] | None = None
     output_limit: int = 0
 

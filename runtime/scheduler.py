@@ -122,8 +122,7 @@ class Scheduler:
         # frontend relies on for fork warm-up / cache_prefix); no token is appended.
         grammar = grammar_of(req.sampling)
         if grammar is None and not req.return_logprob:
-            req.fast_stop_ids = self.stop_checker.fast_stop_ids(req)
-            req.output_limit = min(req.sampling.max_new_tokens, self.runner.context_length - len(req.prompt_ids))
+            self.stop_checker.set_fast_path(req)
         if grammar is not None:
             self.grammar_waiting.append((req, self.grammars.get(grammar)))
             return

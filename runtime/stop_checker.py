@@ -57,17 +57,18 @@ class StopChecker:
             return "length", None
         return None
 
-    def fast_stop_ids(self, req: Req) -> frozenset[int] | None:
-        """The token ids that end ``req`` whenever sampled, if they and the length limits
-        (``Req.output_limit``) are all of its finish conditions: no stop string, stop regex
-        or ``min_new_tokens``, and ``max_new_tokens`` > 0. Else None: ``check`` is needed.
-        The scheduler's per-token fast path (``Req.fast_stop_ids``) gives the same verdicts
-        as ``check`` for such a request."""
+    def set_fast_path(self, req: Req) -> None:
+        """Give ``req`` the scheduler's per-token fast path if stop token ids and lengths are
+        all of its finish conditions (no stop string, stop regex or ``min_new_tokens``, and
+        ``max_new_tokens`` > 0): ``req.fast_stop_ids`` = the ids that end it whenever sampled,
+        ``req.output_limit`` = the output length that ends it. Verdicts as ``check``'s. The
+        caller decides the rest (no grammar, no logprobs to append); else nothing is set."""
         sp = req.sampling
         if sp.stop or sp.stop_regex or sp.min_new_tokens > 0 or sp.max_new_tokens <= 0:
-            return None
+            return
         ids = frozenset(sp.stop_token_ids)
-        return ids if sp.ignore_eos else ids | self.eos_token_ids
+        req.fast_stop_ids = ids if sp.ignore_eos else ids | self.eos_token_ids
+        req.output_limit = min(sp.max_new_tokens, self.context_length - len(req.prompt_ids))
 
     def _update_text(self, req: Req) -> None:
         """Bring ``req.stop_text`` (the output text so far) up to date with output_ids."""
