@@ -120,10 +120,10 @@ def main() -> None:
         for name in phase_s:
             phase_s[name] = 0.0
         sched._safe_step()
-        if sched.outbox:  # what _flush sends, without the socket
-            m.encode(m.BatchOutput(outputs=sched.outbox))
-            out_tokens += sum(len(o.new_token_ids) for o in sched.outbox)
-            sched.outbox = []
+        batch_out = sched.take_outputs()
+        if batch_out is not None:  # what _flush sends, without the socket
+            m.encode(batch_out)
+            out_tokens += len(batch_out.token_ids) + sum(len(o.new_token_ids) for o in batch_out.outputs)
         t1 = time.perf_counter()
         if counters["steps"] > steps0:
             rows.append({"t": t0 - start, "wall_s": t1 - t0, "running_before": batch,

@@ -56,7 +56,7 @@ def first_token_s(sched: Scheduler, rid: str, ids: list[int], max_new: int = 1,
     BUSY[rid] = sched.counters["busy_s"] - busy0  # host time not spent waiting for the device
     while sched.has_work:
         sched._safe_step()
-    sched.outbox.clear()
+    sched.take_outputs()
     return ttft
 
 

@@ -158,7 +158,7 @@ def main() -> None:
                                       temperature=0.0, json_schema=schema)))
     for _ in range(10):  # grammar compile, prefill, warm-up
         sched._safe_step()
-        sched.outbox.clear()
+        sched.take_outputs()
         while sched.grammar_waiting:
             time.sleep(0.01)
             sched._safe_step()
@@ -175,7 +175,7 @@ def main() -> None:
     for _ in range(args.steps):
         t0 = time.perf_counter()
         sched._safe_step()
-        sched.outbox.clear()
+        sched.take_outputs()
         steps.append(time.perf_counter() - t0)
     prof.disable()
     wall_ms = sum(steps) / args.steps * 1e3

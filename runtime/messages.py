@@ -103,9 +103,10 @@ class ReqOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     "stop" (EOS, stop token or stop string; ``matched_stop`` says which), "length",
     or "abort" (``error`` says why).
 
-    One is made per streamed request per decode step: encoded as an array (no field
-    names: 64 outputs encode in half the time, in a sixth of the bytes) and not tracked
-    by the garbage collector (it holds no reference back to anything that holds it)."""
+    A streamed request's output of one plain token is sent in BatchOutput's columns
+    instead. Encoded as an array (no field names: 64 outputs encode in half the time, in a
+    sixth of the bytes) and not tracked by the garbage collector (it holds no reference
+    back to anything that holds it)."""
 
     rid: str
     new_token_ids: list[int]
@@ -123,7 +124,16 @@ class ReqOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
 
 
 class BatchOutput(msgspec.Struct, tag=True):
-    outputs: list[ReqOutput]
+    """One loop turn's outputs. A streamed request's output that is only one new token
+    (not its first output, not its last, no logprobs: nearly every output of a decode
+    step) goes in the columns ``token_rids`` / ``token_ids`` instead of a ReqOutput of its
+    own; its ``prompt_tokens`` / ``cached_tokens`` are those of the request's first output.
+    The columns come before ``outputs``: a request's output in ``outputs`` is never earlier
+    than its token in the columns."""
+
+    outputs: list[ReqOutput] = []
+    token_rids: list[str] = []
+    token_ids: list[int] = []
 
 
 class FlushCacheOut(msgspec.Struct, tag=True):

@@ -83,6 +83,9 @@ class Scheduler:
         self.stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids, runner.context_length)
         self.reqs: dict[str, Req] = {}
         self.outbox: list[m.ReqOutput] = []
+        # Streamed outputs of one plain token: BatchOutput's columns (see BatchOutput).
+        self.token_rids: list[str] = []
+        self.token_ids: list[int] = []
         self.control_out: list[Any] = []
         self.counters = dict(prefill_computed=0, prefill_cached=0, decode=0, recomputed=0, steps=0, decode_steps=0,
                              busy_s=0.0, decode_busy_s=0.0)
@@ -267,6 +270,7 @@ class Scheduler:
 
     def _process_results(self, step: PendingStep, results: list[ItemResult]) -> None:
         counters, interval = self.counters, self.args.stream_interval
+        token_rids, token_ids = self.token_rids, self.token_ids
         decoded = 0
         for item, res, was_prefill, ends_prefill in zip(step.items, results, step.was_prefill,
                                                         step.ends_prefill, strict=True):
@@ -283,6 +287,7 @@ class Scheduler:
             if ends_prefill and not req.output_ids:  # first pass through the prompt
                 counters["prefill_cached"] += req.cached_tokens
             token = res.next_id
+            fast = False  # a token appended by the fast path: no logprobs
             if token is not None:
                 req.num_inflight -= 1
                 stop_ids = req.fast_stop_ids
@@ -291,6 +296,7 @@ class Scheduler:
                 else:  # _append_token's outcome for such a request, without its checks
                     out = req.output_ids
                     out.append(token)
+                    fast = True
                     if token in stop_ids:
                         req.finish("stop", token)
                     elif len(out) >= req.output_limit:
@@ -298,7 +304,13 @@ class Scheduler:
             if req.finish_reason is not None:
                 self._finish(req)
             elif req.stream and len(req.output_ids) - req.num_sent >= interval:
-                self._emit(req)
+                sent = req.num_sent
+                if fast and sent and len(req.output_ids) == sent + 1:  # one plain token: the columns
+                    token_rids.append(req.rid)
+                    token_ids.append(token)
+                    req.num_sent = sent + 1
+                else:
+                    self._emit(req)
         counters["decode"] += decoded
 
     def _append_token(self, req: Req, res: ItemResult) -> None:
@@ -467,10 +479,19 @@ class Scheduler:
         if self._grammars is not None:
             self._grammars.close()
 
+    def take_outputs(self) -> m.BatchOutput | None:
+        """The outputs made since the last call, as sent to the tokenizer process (None if
+        there are none)."""
+        if not self.outbox and not self.token_rids:
+            return None
+        batch = m.BatchOutput(outputs=self.outbox, token_rids=self.token_rids, token_ids=self.token_ids)
+        self.outbox, self.token_rids, self.token_ids = [], [], []
+        return batch
+
     def _flush(self, send: MsgSocket) -> None:
-        if self.outbox:
-            send.send(m.BatchOutput(outputs=self.outbox))
-            self.outbox = []
+        batch = self.take_outputs()
+        if batch is not None:
+            send.send(batch)
         for msg in self.control_out:
             send.send(msg)
         self.control_out = []

@@ -143,6 +143,7 @@ class _Sample:
         self.sid = sid  # the scheduler's id of this sample, unique in the process
         self.detok = detok
         self.completion_tokens = 0
+        self.prompt_tokens = self.cached_tokens = 0  # from the first output (BatchOutput)
         self.done = False
         self.text = ""  # kept only with --log-requests
 
@@ -235,8 +236,13 @@ class TokenizerManager:
 
     def _dispatch(self, msg: m.Message) -> None:
         if isinstance(msg, m.BatchOutput):
+            queues = self.queues
+            for rid, token in zip(msg.token_rids, msg.token_ids, strict=True):  # first (BatchOutput)
+                entry = queues.get(rid)
+                if entry is not None:
+                    entry[0].put_nowait((entry[1], token))
             for out in msg.outputs:
-                entry = self.queues.get(out.rid)
+                entry = queues.get(out.rid)
                 if entry is not None:
                     entry[0].put_nowait((entry[1], out))
         elif isinstance(msg, m.SchedulerStats):
@@ -391,7 +397,13 @@ class TokenizerManager:
             if not s.done and not self.dead:
                 self.send.asend_nowait(m.AbortReq(rid=s.sid))
 
-    def _to_chunk(self, sample: _Sample, out: m.ReqOutput) -> SampleChunk:
+    def _to_chunk(self, sample: _Sample, out: m.ReqOutput | int) -> SampleChunk:
+        """The chunk of ``out``: a ReqOutput, or one plain token (BatchOutput's columns)."""
+        if type(out) is int:
+            out = m.ReqOutput(rid=sample.sid, new_token_ids=[out], prompt_tokens=sample.prompt_tokens,
+                              cached_tokens=sample.cached_tokens)
+        else:
+            sample.prompt_tokens, sample.cached_tokens = out.prompt_tokens, out.cached_tokens
         text = sample.detok.push(out.new_token_ids)
         sample.completion_tokens += len(out.new_token_ids)
         if out.finish_reason is not None:

@@ -113,3 +113,36 @@ def test_outputs_of_an_aborted_sample_never_reach_a_request_reusing_its_rid(tok)
     chunks = asyncio.run(run())
     assert [(c.token_ids, c.prompt_tokens) for c in chunks] == [(ids[1:], 1)]
     assert tm.held_samples == 0 and tm.queues == {} and tm.rids == set()
+
+
+def test_column_tokens_reach_the_stream_before_the_outputs_with_the_first_outputs_usage(tok) -> None:
+    """BatchOutput's token columns (one plain token of a streamed request) become chunks
+    like ReqOutputs do, ahead of the batch's outputs, with the prompt and cached token
+    counts of the request's first output; through the wire format as sent."""
+    tm, send = make_tm(tok)
+    ids = tok.encode(" one two three four")
+    assert len(ids) >= 4
+
+    async def run() -> list:
+        ticket, generation = tm.start([gen_input(tok, "f")])
+        sid = send.sent[0].rid
+        for batch in (
+            m.BatchOutput(outputs=[m.ReqOutput(rid=sid, new_token_ids=ids[:1], prompt_tokens=5, cached_tokens=3)]),
+            m.BatchOutput(token_rids=[sid], token_ids=[ids[1]]),
+            # the request's last output and, in the columns, the token before it
+            m.BatchOutput(outputs=[m.ReqOutput(rid=sid, new_token_ids=ids[3:], finish_reason="length",
+                                               prompt_tokens=5, cached_tokens=3)],
+                          token_rids=["gone", sid], token_ids=[9, ids[2]]),
+        ):
+            tm._dispatch(m.decode(m.encode(batch)))
+        chunks = [c async for _, c in generation]
+        ticket.release()
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert [c.token_ids for c in chunks] == [ids[:1], ids[1:2], ids[2:3], ids[3:]]
+    assert "".join(c.text for c in chunks) == tok.decode(ids)
+    assert [(c.prompt_tokens, c.cached_tokens) for c in chunks] == [(5, 3)] * 4
+    assert [c.completion_tokens for c in chunks] == [1, 2, 3, len(ids)]
+    assert [c.finish_reason for c in chunks] == [None, None, None, "length"]
+    assert tm.held_samples == 0 and tm.queues == {}
