@@ -134,8 +134,8 @@ class ModelRunner:
         self._prev_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         self._prev_rows: dict[Req, int] = {}
         self._last_launch: PendingStep | None = None
-        # see _sampling_batch: (requests, their SamplingBatch, request -> row)
-        self._sampling_cache: tuple[tuple[Req, ...], SamplingBatch, dict[Req, int]] | None = None
+        # see _sampling_batch: (requests, (their SamplingBatch, request -> row, any grammar))
+        self._sampling_cache: tuple[tuple[Req, ...], tuple[SamplingBatch, dict[Req, int], bool]] | None = None
         self._sink_claims: list[int] = []  # first tokens whose sink slots the last prepare() claimed
         self.graph_runner = self._make_graph_runner()
         self._warm_up_split_extend()
@@ -272,8 +272,11 @@ class ModelRunner:
         # Whether any item may score prompt tokens (``_prompt_positions``): rarely, so a step
         # without logprob requests skips the per-item checks.
         scoring = any(it.req.return_logprob for it in items)
-        hidden = self._replay_decode(items, scoring)
-        if hidden is None:
+        reqs = None  # the decode graph's requests, one sampled row each, in order
+        graph = self._replay_decode(items, scoring)
+        if graph is not None:
+            hidden, reqs = graph
+        else:
             inputs, inflight = self._inputs(items)
             hidden = self._replay_extend(items, inputs, inflight)
         rows = None  # a graph's hidden states: every item samples from its one row, in order
@@ -295,30 +298,33 @@ class ModelRunner:
         if scoring:
             step.results = [ItemResult() for _ in items]
             self._prompt_logprobs(items, rows or [([], i) for i in range(len(items))], logits, step.results)
-        self._sample(items, rows, logits, step, scoring)
+        self._sample(items, rows, logits, step, scoring, reqs)
         self._last_launch = step
         return step
 
-    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
-        """The SamplingBatch of these rows. When no row carries per-step state (a seed's step,
-        the tokens a penalty counts), a batch of the same requests in the same order as the
-        last one reuses it (a steady decode batch builds it once, not once per step) and a
-        batch of some of them indexes it on the device (``SamplingBatch.take``: a large batch
-        loses a member nearly every step)."""
+    def _sampling_batch(self, reqs: list[Req]) -> tuple[SamplingBatch, dict[Req, int], bool]:
+        """The SamplingBatch of these rows, each request's row, and whether any request has a
+        grammar. When no row carries per-step state (a seed's step, the tokens a penalty
+        counts), a batch of the same requests in the same order as the last one reuses all
+        three (a steady decode batch builds them once, not once per step) and a batch of
+        some of them indexes the last SamplingBatch on the device (``SamplingBatch.take``: a
+        large batch loses a member nearly every step)."""
         key, cache = tuple(reqs), self._sampling_cache
         if cache is not None and cache[0] == key:
             return cache[1]
         stateless = all(req.sampling_info is not None for req in reqs)
         if stateless and cache is not None:  # the rows of the last batch, some gone: index it
-            rows = [cache[2].get(req, -1) for req in reqs]
-            sb = cache[1].take(rows, [req.sampling_info for req in reqs]) if -1 not in rows else None
+            last_rows = cache[1][1]
+            rows = [last_rows.get(req, -1) for req in reqs]
+            sb = cache[1][0].take(rows, [req.sampling_info for req in reqs]) if -1 not in rows else None
         else:
             sb = None
         if sb is None:
             sb = SamplingBatch.build([req.sampling_info or _sampling_info(req) for req in reqs], self.device)
             stateless = stateless or all(req.sampling_info is not None for req in reqs)  # set by the build
-        self._sampling_cache = (key, sb, {req: i for i, req in enumerate(reqs)}) if stateless else None
-        return sb
+        batch = (sb, {req: i for i, req in enumerate(reqs)}, any(req.grammar is not None for req in reqs))
+        self._sampling_cache = (key, batch) if stateless else None
+        return batch
 
     def _grammar_for_step(self, req: Req) -> Any:
         """The request's grammar matcher, advanced past its token in flight if it has one:
@@ -359,11 +365,12 @@ class ModelRunner:
             raise RuntimeError(f"request {req.rid}: input tokens missing at {start}")
         return row
 
-    def _replay_decode(self, items: list[ScheduleItem], scoring: bool) -> torch.Tensor | None:
-        """Hidden states [B, E] from a CUDA graph if this step is a pure decode step that
-        fits one (one token per item, each sampling, no prompt logprobs: none if not
-        ``scoring``); else None. Reads each item's input token itself (``_inputs`` for one
-        token per item, in the same loop as the rest)."""
+    def _replay_decode(self, items: list[ScheduleItem], scoring: bool
+                       ) -> tuple[torch.Tensor, list[Req]] | None:
+        """Hidden states [B, E] from a CUDA graph and the items' requests, if this step is a
+        pure decode step that fits one (one token per item, each sampling, no prompt
+        logprobs: none if not ``scoring``); else None. Reads each item's input token itself
+        (``_inputs`` for one token per item, in the same loop as the rest)."""
         runner = self.graph_runner
         if runner is None or len(items) > runner.max_bs:
             return None
@@ -385,7 +392,7 @@ class ModelRunner:
             reqs.append(req)
         pool = self.pool
         sinks = [pool.sink_lookup(req.prompt_ids[0]) for req in reqs] if pool.has_sink else None
-        return runner.replay(input_ids, positions, tables, src, reqs, sinks)
+        return runner.replay(input_ids, positions, tables, src, reqs, sinks), reqs
 
     def _replay_extend(self, items: list[ScheduleItem], inputs: list[list[int]],
                        inflight: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -472,13 +479,14 @@ class ModelRunner:
                 res.prompt_top_logprobs = [None] * len(lead) + _top(lps, req.top_logprobs_num)
 
     def _sample(self, items: list[ScheduleItem], rows, logits: torch.Tensor, step: PendingStep,
-                want_logprobs: bool) -> None:
+                want_logprobs: bool, reqs: list[Req] | None = None) -> None:
         """Sample every item's row; ``rows``: per item (its prompt-logprob rows, its sample
-        row or None), or None when item i samples row i of ``logits``. ``want_logprobs``:
-        some item returns logprobs (else the sampled tokens' logprobs are not computed)."""
+        row or None), or None when item i samples row i of ``logits`` (``reqs``: the items'
+        requests, if already listed). ``want_logprobs``: some item returns logprobs (else
+        the sampled tokens' logprobs are not computed)."""
         if rows is None:  # item i samples row i
             picks = list(range(len(items)))
-            reqs, sample_rows = [it.req for it in items], picks
+            reqs, sample_rows = reqs or [it.req for it in items], picks
         else:
             picks = [i for i, (_, r) in enumerate(rows) if r is not None]
             reqs, sample_rows = [items[i].req for i in picks], [rows[i][1] for i in picks]
@@ -486,9 +494,9 @@ class ModelRunner:
             return
         # Top logprobs only reach a request that returns logprobs (Scheduler._append_token).
         top_k = max(req.top_logprobs_num for req in reqs) if want_logprobs else 0
-        sb = self._sampling_batch(reqs)
+        sb, rows_of, grammar = self._sampling_batch(reqs)
         mask = None
-        if any(req.grammar is not None for req in reqs):
+        if grammar:
             matchers = [self._grammar_for_step(req) for req in reqs]
             if any(m is not None for m in matchers):
                 mask = partial(self.grammar_masker.apply, matchers=matchers)
@@ -499,7 +507,7 @@ class ModelRunner:
         out = sample(chosen, sb, self.generator, top_k_logprobs=top_k, logits_mask=mask,
                      want_logprobs=want_logprobs)
         self._prev_ids[: len(picks)].copy_(out.next_ids)  # inputs of the next launch (overlap)
-        self._prev_rows = {req: k for k, req in enumerate(reqs)}
+        self._prev_rows = rows_of
         step.picks, step.sampled = picks, out
         if self.device.type == "cuda":  # start the copies to the host now, wait in collect()
             step.sampled = SampleResult(*(t.to("cpu", non_blocking=True) if t is not None else None for t in (

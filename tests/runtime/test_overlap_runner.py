@@ -105,20 +105,26 @@ def test_sampling_batch_is_reused_only_for_the_same_stateless_rows(runner: Model
         return Req(rid=rid, prompt_ids=[1, 2, 3], sampling=m.SamplingParams(max_new_tokens=8, **sp))
 
     a, b = req("a", temperature=0.5), req("b", temperature=0.0, top_k=5)
-    first = runner._sampling_batch([a, b])
-    assert runner._sampling_batch([a, b]) is first
+    first, rows, grammar = runner._sampling_batch([a, b])
+    assert rows == {a: 0, b: 1} and grammar is False
+    again = runner._sampling_batch([a, b])
+    assert again[0] is first and again[1] is rows  # the rows are the next launch's _prev_rows
     assert first.temperatures.tolist() == [0.5, 1.0] and first.greedy.tolist() == [False, True]
-    swapped = runner._sampling_batch([b, a])
-    assert swapped is not first and swapped.temperatures.tolist() == [1.0, 0.5]
+    swapped, rows, _ = runner._sampling_batch([b, a])
+    assert swapped is not first and swapped.temperatures.tolist() == [1.0, 0.5] and rows == {b: 0, a: 1}
+    constrained = req("g")
+    constrained.grammar = object()  # a matcher, as the scheduler sets it before the request runs
+    assert runner._sampling_batch([a, constrained])[2] is True
+    assert runner._sampling_batch([a, constrained])[2] is True and runner._sampling_batch([a])[2] is False
     seeded = req("s", temperature=0.7, seed=3)
-    one = runner._sampling_batch([a, seeded])
+    one = runner._sampling_batch([a, seeded])[0]
     seeded.output_ids.append(9)  # the next step: another noise key
-    two = runner._sampling_batch([a, seeded])
+    two = runner._sampling_batch([a, seeded])[0]
     assert two is not one and one.seed_keys != two.seed_keys
     penalised = req("p", frequency_penalty=0.5)
-    one = runner._sampling_batch([penalised])
+    one = runner._sampling_batch([penalised])[0]
     penalised.output_ids.append(4)
-    two = runner._sampling_batch([penalised])
+    two = runner._sampling_batch([penalised])[0]
     assert one.output_ids.tolist() == [] and two.output_ids.tolist() == [4]
 
 
@@ -137,11 +143,11 @@ def test_sampling_batch_of_fewer_stateless_rows_indexes_the_last_one(runner: Mod
     builds = []
     real_build = mr.SamplingBatch.build
     monkeypatch.setattr(mr.SamplingBatch, "build", lambda *args: builds.append(args) or real_build(*args))
-    fewer = runner._sampling_batch([c, a])
-    assert builds == [] and fewer.temperatures.tolist() == pytest.approx([0.9, 0.5])
+    fewer, rows, _ = runner._sampling_batch([c, a])
+    assert builds == [] and fewer.temperatures.tolist() == pytest.approx([0.9, 0.5]) and rows == {c: 0, a: 1}
     assert fewer.top_ps.tolist() == pytest.approx([0.8, float("inf")]) and not fewer.all_greedy
-    assert runner._sampling_batch([a]).temperatures.tolist() == [0.5] and builds == []
-    assert runner._sampling_batch([b]).greedy.tolist() == [True]  # not in the last batch [a]
+    assert runner._sampling_batch([a])[0].temperatures.tolist() == [0.5] and builds == []
+    assert runner._sampling_batch([b])[0].greedy.tolist() == [True]  # not in the last batch [a]
     assert len(builds) == 1
     runner._sampling_batch([b, req("p", presence_penalty=0.5)])  # penalised: never cached
     runner._sampling_batch([b])
