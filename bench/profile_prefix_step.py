@@ -12,11 +12,16 @@ cached run is profiled (cProfile: the host's share; device work is queued asynch
 Writes profile_prefix_step.json (times, cached - control, ratio, the scheduler's host busy
 time until each first token: the rest is waiting for the device) and
 profile_prefix_step.txt (top functions of the cached run by cumulative and own time).
+``--torch-profile`` profiles one more cached run with torch.profiler (on CUDA with the CUDA
+activity, so the runtime calls behind each launch show: cudaGraphLaunch, cudaMemcpyAsync,
+cudaHostAlloc, cudaEventRecord ...): profile_prefix_step_torch.txt (ops and runtime calls by
+host self time) and profile_prefix_step_trace.json (a Chrome trace of that run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -40,19 +45,17 @@ BUSY: dict[str, float] = {}  # rid -> scheduler host busy seconds until its firs
 
 
 def first_token_s(sched: Scheduler, rid: str, ids: list[int], max_new: int = 1,
-                  prof: cProfile.Profile | None = None) -> float:  # fmt: skip
-    """Seconds from submitting ``ids`` to its first token; then runs the request to the end."""
+                  prof: contextlib.AbstractContextManager | None = None) -> float:  # fmt: skip
+    """Seconds from submitting ``ids`` to its first token; then runs the request to the end.
+    ``prof`` (a cProfile.Profile or torch.profiler.profile) is on until the first token."""
     sched.handle(m.GenerateReq(rid=rid, input_ids=ids, stream=True, sampling=m.SamplingParams(
         max_new_tokens=max_new, ignore_eos=True, temperature=0.0)))  # fmt: skip
     start, ttft, busy0 = time.perf_counter(), None, sched.counters["busy_s"]
-    if prof is not None:
-        prof.enable()
-    while ttft is None:
-        sched._safe_step()
-        if any(o.rid == rid and o.new_token_ids for o in sched.outbox):
-            ttft = time.perf_counter() - start
-    if prof is not None:
-        prof.disable()
+    with prof or contextlib.nullcontext():
+        while ttft is None:
+            sched._safe_step()
+            if any(o.rid == rid and o.new_token_ids for o in sched.outbox):
+                ttft = time.perf_counter() - start
     BUSY[rid] = sched.counters["busy_s"] - busy0  # host time not spent waiting for the device
     while sched.has_work:
         sched._safe_step()
@@ -68,6 +71,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--cached-len", type=int, default=3968)
     ap.add_argument("--repeats", type=int, default=3, help="median of this many cached / control runs")
+    ap.add_argument("--torch-profile", action="store_true",
+                    help="also profile one cached run with torch.profiler (see the module docstring)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.shape:
@@ -102,6 +107,19 @@ def main() -> None:
         cached.append(first_token_s(sched, f"cached{i}", prompt, 2, prof if i == args.repeats - 1 else None))
         assert sched.reqs == {}
         control.append(first_token_s(sched, f"control{i}", ids(args.prompt_len - args.cached_len), 2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+        assert sched.cache.flush()
+        first_token_s(sched, "seed-torch", prompt[: args.cached_len], 1)
+        tprof = profile(activities=activities)
+        first_token_s(sched, "cached-torch", prompt, 2, tprof)
+        table = tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        (args.out / "profile_prefix_step_torch.txt").write_text(table + "\n")
+        tprof.export_chrome_trace(str(args.out / "profile_prefix_step_trace.json"))
+        print(table[:6000])
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "model": str(model_dir),
               "prompt_len": args.prompt_len, "cached_len": args.cached_len, "cold_s": cold,
@@ -113,7 +131,6 @@ def main() -> None:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("cumulative").print_stats(40)
     stats.sort_stats("tottime").print_stats(25)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_prefix_step.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "profile_prefix_step.txt").write_text(text.getvalue())
     print(json.dumps(result, indent=1))
