@@ -287,7 +287,6 @@ class Scheduler:
             if ends_prefill and not req.output_ids:  # first pass through the prompt
                 counters["prefill_cached"] += req.cached_tokens
             token = res.next_id
-            fast = False  # a token appended by the fast path: no logprobs
             if token is not None:
                 req.num_inflight -= 1
                 stop_ids = req.fast_stop_ids
@@ -296,7 +295,6 @@ class Scheduler:
                 else:  # _append_token's outcome for such a request, without its checks
                     out = req.output_ids
                     out.append(token)
-                    fast = True
                     if token in stop_ids:
                         req.finish("stop", token)
                     elif len(out) >= req.output_limit:
@@ -305,7 +303,8 @@ class Scheduler:
                 self._finish(req)
             elif req.stream and len(req.output_ids) - req.num_sent >= interval:
                 sent = req.num_sent
-                if fast and sent and len(req.output_ids) == sent + 1:  # one plain token: the columns
+                # One plain token (this step's; see BatchOutput): the columns.
+                if sent and len(req.output_ids) == sent + 1 and not req.return_logprob:
                     token_rids.append(req.rid)
                     token_ids.append(token)
                     req.num_sent = sent + 1

@@ -389,9 +389,10 @@ def test_a_loop_turn_counts_handling_and_sending_in_the_busy_time():
 
 def test_a_streamed_plain_token_goes_in_the_columns_and_the_stream_adds_up_to_the_whole_output():
     """A streamed request's outputs of one plain token (not the first, not the last, no
-    logprobs) are sent as BatchOutput's token columns; its first and last outputs, and every
-    output of a request returning logprobs or streaming every 2 tokens, as ReqOutputs. Read
-    columns first, each request's tokens add up to what an unstreamed request gets."""
+    logprobs; also on the full per-token path, min_new_tokens here) are sent as
+    BatchOutput's token columns; its first and last outputs, and every output of a request
+    returning logprobs or streaming every 2 tokens, as ReqOutputs. Read columns first, each
+    request's tokens add up to what an unstreamed request gets."""
     streamed = lambda rid, **kw: msgspec.structs.replace(gen(rid, max_new_tokens=6), stream=True, **kw)  # noqa: E731
     tokens: dict[str, list[int]] = {}
     kinds: dict[str, list[str]] = {}
@@ -399,6 +400,9 @@ def test_a_streamed_plain_token_goes_in_the_columns_and_the_stream_adds_up_to_th
         s = make(StubRunner(), stream_interval=interval)
         s.handle(streamed(f"plain{interval}"))
         s.handle(streamed(f"logprobs{interval}", return_logprob=True))
+        full = streamed(f"full{interval}")  # min_new_tokens: the full per-token path
+        s.handle(msgspec.structs.replace(full, sampling=msgspec.structs.replace(full.sampling, min_new_tokens=2)))
+        assert s.reqs[f"full{interval}"].fast_stop_ids is None
         s.handle(gen(f"whole{interval}", max_new_tokens=6))
         for _ in range(30):
             s._safe_step()
@@ -413,8 +417,8 @@ def test_a_streamed_plain_token_goes_in_the_columns_and_the_stream_adds_up_to_th
                 tokens.setdefault(out.rid, []).extend(out.new_token_ids)
                 kinds.setdefault(out.rid, []).append(out.finish_reason or "output")
         assert s.take_outputs() is None and not s.has_work
-    assert all(ids == [7] * 6 for ids in tokens.values()) and len(tokens) == 6
-    assert kinds["plain1"] == ["output", *["column"] * 4, "length"]
+    assert all(ids == [7] * 6 for ids in tokens.values()) and len(tokens) == 8
+    assert kinds["plain1"] == kinds["full1"] == ["output", *["column"] * 4, "length"]
     assert kinds["logprobs1"] == ["output"] * 5 + ["length"]
-    assert kinds["plain2"] == kinds["logprobs2"] == ["output", "output", "length"]
+    assert kinds["plain2"] == kinds["logprobs2"] == kinds["full2"] == ["output", "output", "length"]
     assert kinds["whole1"] == kinds["whole2"] == ["length"]
