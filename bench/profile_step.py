@@ -54,11 +54,11 @@ class HostOnlyGraphs(CudaGraphRunner):
     the incremental page-table rows, staging and the input copy) and "replays" nothing, so
     the step's host time follows the GPU server's decode path, not the eager one's."""
 
-    def __init__(self, runner: ModelRunner, hidden: torch.Tensor) -> None:  # no super(): nothing captured
+    def __init__(self, runner: ModelRunner, logits: torch.Tensor) -> None:  # no super(): nothing captured
         n, pages = runner.args.max_running_requests, -(-runner.context_length // runner.page_size)
         self._buffers(runner.model, runner.pool, n, pages, runner._prev_ids, 0)
         self.graphs = {bs: type("NoGraph", (), {"replay": lambda self: None})() for bs in self.batch_sizes}
-        self.outputs = {bs: hidden[:bs] for bs in self.batch_sizes}
+        self.outputs = {bs: logits[:bs] for bs in self.batch_sizes}  # a decode graph's output: logits
 
 
 def churn(sched: Scheduler, args: argparse.Namespace, vocab: int, rng: random.Random) -> None:
@@ -99,7 +99,11 @@ def churn(sched: Scheduler, args: argparse.Namespace, vocab: int, rng: random.Ra
     c = sched.counters
     text = io.StringIO()
     if not args.no_profile:
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(50)
+        args.out.mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(args.out / f"churn_{args.shape}_b{args.batch}.prof")  # pstats.Stats(path)
     report = (f"churn {args.churn} at {args.batch}: {c['decode_steps']} decode steps, busy "
               f"{c['decode_busy_s'] / max(c['decode_steps'], 1) * 1e3:.3f} ms per decode step, "
               f"{c['busy_s'] / max(c['steps'], 1) * 1e3:.3f} ms per step\n{text.getvalue()}")
@@ -142,9 +146,9 @@ def main() -> None:
         hidden = torch.zeros(4096, runner.config.hidden_size, device=DEVICE)
         logits = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0)).to(DEVICE)
         runner.model.forward = lambda batch, pool: hidden[: batch.input_ids.shape[0]]
-        runner.model.compute_logits = lambda h: logits[: h.shape[0]]
+        runner.model.compute_logits = lambda h, out=None: logits[: h.shape[0]]
         if DEVICE == "cpu" and not args.eager:  # decode steps take the CUDA-graph path's host code
-            runner.graph_runner = HostOnlyGraphs(runner, hidden)
+            runner.graph_runner = HostOnlyGraphs(runner, logits)
     sched = Scheduler(server, runner)
     rng = random.Random(0)
     if args.churn:

@@ -311,9 +311,13 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend.prepare(batch, pool)
         return self.model(batch, pool)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, E] -> logits [N, V] float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, E] -> logits [N, V] float32, written into ``out`` [N, V] float32 if
+        given (the decode CUDA graphs' shared buffer) and returned."""
+        logits = F.linear(hidden, self.lm_head.weight)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (merged) parameters.

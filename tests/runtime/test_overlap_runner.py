@@ -71,7 +71,7 @@ class EagerGraphs(CudaGraphRunner):
         batch = ForwardBatch.build([[i] for i in ids.tolist()], self.positions[:bs].tolist(), tables,
                                    list(range(bs)), self.page_size, "cpu")
         assert batch.out_slots.tolist() == self.out_slots[:bs].tolist()  # the staged KV slots
-        self.outputs[bs] = self.model.forward(batch, self.pool)
+        self.outputs[bs] = self.model.compute_logits(self.model.forward(batch, self.pool), out=self.logits[:bs])
 
 
 def test_the_decode_graph_path_gives_the_eager_paths_tokens_and_logprobs(runner: ModelRunner, monkeypatch) -> None:
