@@ -45,6 +45,7 @@ from radixlm.runtime.sharegpt import iter_records  # noqa: E402
 
 BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 1 << 30)
 # Timed per step ("owner.method"): the planner, the launch and its parts, the results.
+# model.compute_logits: eager and extend steps only (the decode graphs include the LM head).
 PHASES = ("planner.plan", "runner.launch", "runner._sampling_batch", "model.compute_logits",
           "graphs.replay", "scheduler._advance", "scheduler._process_results")
 

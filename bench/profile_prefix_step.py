@@ -3,7 +3,7 @@ process (no HTTP), a 4096-token prompt cold vs with its first 3968 tokens cached
 bench/gpu_serving.py's prefix_ttft_4k), plus a control: a fresh 128-token prompt (the
 same extend length with no prefix). TTFT here = from ``handle`` to the first token in the
 scheduler's outbox (steps run back to back; on CUDA the host waits for the token). The
-cached runs are profiled (cProfile: the host's share; device work is queued asynchronously).
+last cached run is profiled (cProfile: the host's share; device work is queued asynchronously).
 
     CPU:  python bench/profile_prefix_step.py --out /tmp/pp           (SmolLM2-135M, real)
     GPU:  . bench/gpu_env.sh && python3 bench/profile_prefix_step.py --shape llama3-8b \\
@@ -104,7 +104,7 @@ def main() -> None:
     for i in range(args.repeats):
         assert sched.cache.flush()
         first_token_s(sched, f"seed{i}", prompt[: args.cached_len], 1)  # caches the pages
-        cached.append(first_token_s(sched, f"cached{i}", prompt, 2, prof))
+        cached.append(first_token_s(sched, f"cached{i}", prompt, 2, prof if i == args.repeats - 1 else None))
         assert sched.reqs == {}
         control.append(first_token_s(sched, f"control{i}", ids(args.prompt_len - args.cached_len), 2))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -244,6 +244,7 @@ class CudaGraphRunner:
                 outputs[size] = forward(size, batch)
             graphs[size] = graph
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up passes' blocks (the [Bg, V] LM head output among them)
         seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (decode batch sizes %s, extend lengths %s) in %.1f s",
                     len(self.graphs) + len(self.ext_graphs), self.batch_sizes, self.extend_sizes, seconds)

@@ -142,6 +142,13 @@ def test_forward_returns_only_logits_rows(tiny_hf_model: Callable) -> None:
         hidden = model(batch, pool)
     assert hidden.shape == (2, 64)
     assert model.compute_logits(hidden).dtype == torch.float32
+    out = torch.full((2, model.config.vocab_size), float("nan"))  # the decode graphs' shared buffer
+    assert model.compute_logits(hidden, out=out) is out
+    torch.testing.assert_close(out, model.compute_logits(hidden), atol=0, rtol=0)
+    bf16 = load_model(tiny_hf_model()[0], torch.bfloat16, "cpu", "torch")  # bf16 GEMM, cast into the buffer
+    h16 = hidden.to(torch.bfloat16)
+    assert bf16.compute_logits(h16, out=out) is out
+    torch.testing.assert_close(out, bf16.compute_logits(h16), atol=0, rtol=0)
     assert not batch.logits_all
     # A decode step samples every row in order: no gather, and the same rows as gathering them.
     step = ForwardBatch.build([[6], [7]], [3, 2], [[1], [2]], [0, 1], 4, "cpu")

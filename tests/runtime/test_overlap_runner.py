@@ -71,11 +71,13 @@ class EagerGraphs(CudaGraphRunner):
         batch = ForwardBatch.build([[i] for i in ids.tolist()], self.positions[:bs].tolist(), tables,
                                    list(range(bs)), self.page_size, "cpu")
         assert batch.out_slots.tolist() == self.out_slots[:bs].tolist()  # the staged KV slots
-        self.outputs[bs] = self.model.compute_logits(self.model.forward(batch, self.pool), out=self.logits[:bs])
+        logits = self.model.compute_logits(self.model.forward(batch, self.pool), out=self.logits[:bs])
+        assert logits.data_ptr() == self.logits.data_ptr()  # written into the shared buffer, as the graph's
+        self.outputs[bs] = logits
 
 
 def test_the_decode_graph_path_gives_the_eager_paths_tokens_and_logprobs(runner: ModelRunner, monkeypatch) -> None:
-    """The model runner's decode-graph path (graph hidden states, each item sampling its own
+    """The model runner's decode-graph path (the graph's logits, each item sampling its own
     row; logprobs and top logprobs; a one-token prompt whose first step already decodes from
     its graph) returns what the eager path returns, with and without overlap."""
     prompts = {**PROMPTS, "c": [1]}

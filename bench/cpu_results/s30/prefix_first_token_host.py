@@ -41,12 +41,12 @@ class Ops(TorchDispatchMode):
 
 
 class HostGraphsExt(HostOnlyGraphs):
-    def __init__(self, runner, hidden):
+    def __init__(self, runner, hidden, logits):
         n, pages = runner.args.max_running_requests, -(-runner.context_length // runner.page_size)
         self._buffers(runner.model, runner.pool, n, pages, runner._prev_ids, 256)
         NoGraph = type("NoGraph", (), {"replay": lambda self: None})
         self.graphs = {bs: NoGraph() for bs in self.batch_sizes}
-        self.outputs = {bs: hidden[:bs] for bs in self.batch_sizes}
+        self.outputs = {bs: logits[:bs] for bs in self.batch_sizes}  # decode graphs: logits (since 3f25de9)
         self.ext_graphs = {t: NoGraph() for t in self.extend_sizes}
         self.ext_outputs = {t: hidden[:1] for t in self.extend_sizes}
 
@@ -68,8 +68,8 @@ runner = ModelRunner(server)
 hidden = torch.zeros(4096, runner.config.hidden_size)
 logits = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
 runner.model.forward = lambda batch, pool: hidden[: batch.input_ids.shape[0]]
-runner.model.compute_logits = lambda h: logits[: h.shape[0]]
-runner.graph_runner = HostGraphsExt(runner, hidden)
+runner.model.compute_logits = lambda h, out=None: logits[: h.shape[0]]
+runner.graph_runner = HostGraphsExt(runner, hidden, logits)
 sched = Scheduler(server, runner)
 rng = random.Random(7)
 prefix = [rng.randrange(3, 49000) for _ in range(3968)]
