@@ -39,8 +39,9 @@ the splits past their length empty. The LM head is in the graph: outside, its GE
 float32 cast took ~0.14 ms of host time per step on the H200 host (8B shape, 2026-12-05),
 a sixth of the scheduler's. Every bucket writes the rows of one shared float32 buffer
 ``logits`` [Bmax, V] (one per bucket would cost the sum of the buckets' rows: 1.2 GB for
-the 8B vocabulary at Bmax 256). Requires the Triton attention backend (the torch reference backend loops over requests
-on the host) and a CUDA device; sampling runs after the replay, outside the graph.
+the 8B vocabulary at Bmax 256). Requires the Triton attention backend (the torch
+reference backend loops over requests on the host) and a CUDA device; sampling runs after
+the replay, outside the graph.
 
 Extend graphs (``max_extend_tokens`` > 0): one request extending T new tokens, 2 <= T <=
 the largest of ``graph_extend_sizes`` (a short prompt, or the uncached tail of a prompt

@@ -517,8 +517,9 @@ class ModelRunner:
             step.sampled = SampleResult(*(t.to("cpu", non_blocking=True) if t is not None else None for t in (
                 out.next_ids, out.logprobs, out.top_ids, out.top_logprobs)))
             # Two events in turn: a new event's record() cost 42 us of host time per step on
-            # the H200 host (creating it included). Step k's event is re-recorded by launch k + 2, after step k was read
-            # (one step in flight); were it not, the wait would only last longer.
+            # the H200 host (creating it included). Step k's event is re-recorded by launch
+            # k + 2, after step k was read (one step in flight); were it not, the wait would
+            # only last longer.
             self._ready_turn ^= 1
             step.ready = self._ready_events[self._ready_turn]
             step.ready.record()

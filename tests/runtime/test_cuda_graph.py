@@ -131,8 +131,7 @@ def test_graph_runner_refuses_cpu(tiny_hf_model: Callable) -> None:
 def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int, kv: str) -> None:
     """B requests of different lengths (prefilled eagerly) decode one token through the
     graph (padded to the bucket): logits (the LM head is in the graph) and the K/V written
-    equal the eager pass,
-    and the dummy page absorbs the padding rows' writes. ``fp8_e4m3+means``: FP8 pages
+    equal the eager pass, and the dummy page absorbs the padding rows' writes. ``fp8_e4m3+means``: FP8 pages
     centred on channel means (the decode kernel adds v_mean in its epilogue); ``+sink``:
     also an exact attention sink of 4 slots (13 requests: some read their FP8 page)."""
     page = 4
