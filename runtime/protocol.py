@@ -27,7 +27,6 @@ __all__ = [
     "StreamOptions",
 ]
 
-NonNegInt = Annotated[int, Field(ge=0)]
 # Integers that travel to the scheduler (msgpack, torch int64) must fit in 64 bits: a
 # larger one was a 500 in the tokenizer process (top_k: a dead scheduler) instead of a 400.
 INT64_MAX = 2**63 - 1
@@ -142,7 +141,9 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     text: str | list[str] | None = None
-    input_ids: list[NonNegInt] | list[list[NonNegInt]] | None = None
+    # Plain ints: TokenizerManager.validate checks every id against the vocabulary (one
+    # min / max, 0.10 ms for 4096 ids); a per-element ``ge=0`` here cost pydantic 0.11 ms more.
+    input_ids: list[int] | list[list[int]] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: str | list[str] | None = None

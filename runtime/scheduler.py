@@ -441,16 +441,26 @@ class Scheduler:
 
     # ----------------------------------------------------------------- event loop
     def run_forever(self, recv: MsgSocket, send: MsgSocket, parent_pid: int | None = None,
-                    stop: threading.Event | None = None) -> None:
+                    stop: threading.Event | None = None, idle_spin_s: float = 0.0) -> None:
         """Serve ``recv`` until the parent process is gone or ``stop`` is set (checked
-        every loop, at least every 50 ms)."""
+        every loop, at least every 50 ms). ``idle_spin_s``: with no work (and no grammar
+        compiling), poll for messages without blocking until this long after the last turn
+        that had messages or work (``MsgSocket.recv``'s ``spin_s``; ``--idle-spin-ms``), then
+        block."""
+        last_work = time.perf_counter()
         while stop is None or not stop.is_set():
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("parent process is gone; exiting")
                 return
-            msg = recv.recv(timeout_ms=self.idle_timeout_ms)
+            timeout = self.idle_timeout_ms
+            spin = 0.0  # not while a grammar compiles: its thread needs the GIL
+            if timeout and idle_spin_s and not self.grammar_waiting:
+                spin = last_work + idle_spin_s - time.perf_counter()
+            msg = recv.recv(timeout_ms=timeout, spin_s=spin)
             msgs = ([msg] if msg is not None else []) + recv.recv_all()
             worked = self.serve_once(msgs, send)
+            if worked or msgs:
+                last_work = time.perf_counter()
             if not worked and not self.has_work and self.args.debug_invariants and msgs:
                 self._debug_check("when idle")
 
@@ -523,11 +533,12 @@ def freeze_startup_objects() -> None:
 
 
 def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None,
-                    stop: threading.Event | None = None) -> bool:
+                    stop: threading.Event | None = None, idle_spin_s: float = 0.0) -> bool:
     """Connect to the tokenizer side at ``recv_addr``/``send_addr``, load the model, report
     ``SchedulerReady`` (or ``SchedulerError``, then return False), then serve until the
     parent process is gone or ``stop`` is set. Runs in the scheduler process, or on a
-    thread of the user's process (``runtime.engine``)."""
+    thread of the user's process (``runtime.engine``: ``idle_spin_s`` 0, as a spinning
+    thread would hold the GIL against the caller's). ``idle_spin_s``: ``run_forever``'s."""
     send = MsgSocket(zmq.PUSH, send_addr, bind=False)
     recv = MsgSocket(zmq.PULL, recv_addr, bind=False)
     try:
@@ -545,7 +556,7 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
         freeze_startup_objects()
         send.send(runner.ready_message())
         try:
-            scheduler.run_forever(recv, send, parent_pid, stop)
+            scheduler.run_forever(recv, send, parent_pid, stop, idle_spin_s)
         finally:
             scheduler.close()
             gc.unfreeze()
@@ -560,5 +571,5 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, pare
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns shutdown: it drains
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # HTTP requests first, then kills us
-    if not serve_scheduler(args, recv_addr, send_addr, parent_pid):
+    if not serve_scheduler(args, recv_addr, send_addr, parent_pid, idle_spin_s=args.idle_spin_ms / 1e3):
         os._exit(1)

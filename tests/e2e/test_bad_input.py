@@ -532,8 +532,9 @@ def test_c10_semantic_errors_are_400(server, idle_invariants):
                 {"role": "system", "content": "x"}, {"role": "wizard", "content": "hi"}]}),
                 "role", param="messages.1.role")
             # Token ids out of the vocabulary (and negative ones).
-            for ids in ([1, 2, 10**9], [1, -1], [2**70]):
-                _assert_400(_post(c, "/generate", {"input_ids": ids, "stream": stream}))
+            for ids in ([1, 2, 10**9], [1, -1], [[1, 2], [3, -4]]):
+                _assert_400(_post(c, "/generate", {"input_ids": ids, "stream": stream}), vocab_hint, param="input_ids")
+            _assert_400(_post(c, "/generate", {"input_ids": [2**70], "stream": stream}), param="input_ids.0")
             _assert_400(_post(c, "/generate", {"input_ids": [1, 2, 10**9], "stream": stream}),
                         vocab_hint, param="input_ids")
             _assert_400(_post(c, "/v1/completions", {**comp, "prompt": [1, 2, 10**9]}), vocab_hint, param="prompt")

@@ -422,3 +422,50 @@ def test_a_streamed_plain_token_goes_in_the_columns_and_the_stream_adds_up_to_th
     assert kinds["logprobs1"] == ["output"] * 5 + ["length"]
     assert kinds["plain2"] == kinds["logprobs2"] == kinds["full2"] == ["output", "output", "length"]
     assert kinds["whole1"] == kinds["whole2"] == ["length"]
+
+
+def test_the_idle_loop_spins_only_until_idle_spin_s_after_its_last_work():
+    """``run_forever`` asks ``recv`` to spin (poll without blocking) for what is left of
+    ``idle_spin_s`` after the last turn with messages or work, not at all with work to do,
+    and not once the window has passed; a message or a step opens a new window."""
+    import threading
+    import time
+
+    class FakeRecv:
+        def __init__(self, script: list) -> None:
+            self.script, self.calls = script, []
+
+        def recv(self, timeout_ms=None, spin_s=0.0):
+            self.calls.append((timeout_ms, spin_s, time.perf_counter()))
+            action = self.script.pop(0)
+            if not self.script:
+                stop.set()
+            if action == "sleep":  # nothing arrives: the wait takes the spin and more
+                time.sleep(0.06)
+                return None
+            return action
+
+        def recv_all(self) -> list:
+            return []
+
+    class NullSend:
+        def send(self, msg) -> None:
+            pass
+
+    stop = threading.Event()
+    recv = FakeRecv(["sleep", "sleep", gen("a", max_new_tokens=2), None, None, None, "sleep", "sleep"])
+    s = make(StubRunner())
+    s.run_forever(recv, NullSend(), stop=stop, idle_spin_s=0.05)
+    spins = [spin for _, spin, _ in recv.calls]
+    timeouts = [t for t, _, _ in recv.calls]
+    assert 0.04 < spins[0] <= 0.05  # the window opens at the start
+    assert spins[1] <= 0  # 60 ms later: passed, so the wait blocks at once
+    assert timeouts[3] == 0 and spins[3] == 0  # the request is running: no wait at all
+    first_idle = timeouts.index(50, 3)  # the first idle turn after the request finished
+    assert 0.04 < spins[first_idle] <= 0.05  # its last step opened a new window
+    assert spins[-1] <= 0
+    # with idle_spin_s 0 (an Engine's thread) it never spins
+    stop.clear()
+    recv = FakeRecv(["sleep", gen("b", max_new_tokens=1), None, None, "sleep"])
+    make(StubRunner()).run_forever(recv, NullSend(), stop=stop)
+    assert all(spin == 0 for _, spin, _ in recv.calls)
