@@ -221,11 +221,13 @@ class ServerArgs:
     debug_invariants: bool = _opt(
         False, "Check pool/tree invariants after every scheduler step (slow; tests use it)."
     )
-    idle_spin_ms: float = _opt(
-        20.0, "After its last work, the scheduler process polls for requests without blocking for "
+    idle_spin_ms: float | None = _opt(
+        None, "After its last work, the scheduler process polls for requests without blocking for "
         "this many milliseconds before it sleeps: a request arriving in that window is taken "
-        "~0.2 ms sooner (ZeroMQ need not wake the thread); costs a core while it spins. 0: never "
-        "spin (SGLang spins always unless --sleep-on-idle). An Engine's scheduler thread never spins."
+        "0.1-0.2 ms sooner (ZeroMQ need not wake the thread); it uses a core while it spins. "
+        "Default: 20 where the process may run on 4 or more cores, else 0 (on fewer, the "
+        "spinning core is one the HTTP process needs). 0: never spin (SGLang's scheduler spins "
+        "whenever idle unless --sleep-on-idle). An Engine's scheduler thread never spins."
     )
     stream_interval: int = _opt(1, "Send streamed output every N decode steps.")
     stream_output: bool = _opt(
@@ -316,7 +318,7 @@ class ServerArgs:
             raise ValueError("--admit-max-wait-steps must be >= 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
-        if not 0 <= self.idle_spin_ms <= 1000:
+        if self.idle_spin_ms is not None and not 0 <= self.idle_spin_ms <= 1000:
             raise ValueError("--idle-spin-ms must be in [0, 1000]")
         if self.max_request_body_bytes < 1:
             raise ValueError("--max-request-body-bytes must be >= 1")

@@ -469,3 +469,14 @@ def test_the_idle_loop_spins_only_until_idle_spin_s_after_its_last_work():
     recv = FakeRecv(["sleep", gen("b", max_new_tokens=1), None, None, "sleep"])
     make(StubRunner()).run_forever(recv, NullSend(), stop=stop)
     assert all(spin == 0 for _, spin, _ in recv.calls)
+
+
+def test_idle_spin_defaults_to_20_ms_with_4_cores_or_more_and_follows_the_flag():
+    from radixlm.runtime.scheduler import idle_spin_s
+
+    assert idle_spin_s(ServerArgs(), cores=2) == 0.0
+    assert idle_spin_s(ServerArgs(), cores=4) == 0.02
+    assert idle_spin_s(ServerArgs(idle_spin_ms=5), cores=2) == 0.005
+    assert idle_spin_s(ServerArgs(idle_spin_ms=0), cores=16) == 0.0
+    with pytest.raises(ValueError, match="idle-spin-ms"):
+        ServerArgs(idle_spin_ms=-1).validate()
