@@ -61,6 +61,24 @@ def grammar_of(sampling: Any) -> tuple[str, str] | None:
                 None)
 
 
+MAX_SCHEMA_DEPTH = 256  # nesting levels (objects and arrays) of a JSON schema
+
+
+def check_json_depth(value: Any, what: str, limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """Raises ValueError if ``value`` (decoded JSON) nests objects / arrays deeper than
+    ``limit`` levels: near Python's recursion limit, ``json.dumps`` and the keyword check
+    raised RecursionError (an HTTP 500). Iterative, so any depth is checked."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise ValueError(f"{what} is nested deeper than {limit} levels")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
 def _unenforced_keywords(node: Any, path: str = "#") -> Iterable[str]:
     """Descriptions of the schema's keywords that xgrammar would drop, with JSON pointers."""
     if isinstance(node, dict):
@@ -89,8 +107,11 @@ def check_grammar(kind: str, text: str) -> None:
             schema = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"json_schema is nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
         if not isinstance(schema, dict | bool):
             raise ValueError("json_schema must be a JSON object (a JSON Schema)")
+        check_json_depth(schema, "json_schema")
         dropped = list(_unenforced_keywords(schema))
         if dropped:
             raise ValueError(

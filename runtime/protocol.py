@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from radixlm.runtime.grammar import check_grammar
+from radixlm.runtime.grammar import check_grammar, check_json_depth
 from radixlm.runtime.messages import SamplingParams
 from radixlm.runtime.stop_regex import check_stop_regex
 
@@ -52,14 +52,16 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # Finite floats only: an infinite temperature passed (native /generate has no upper
+    # bound) and sampled noise; NaN got "greater than or equal to 0".
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(-1, ge=-1, le=INT64_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     # Logits are divided/multiplied by it: below 1e-2 float32 logits overflow to inf.
-    repetition_penalty: float = Field(1.0, ge=1e-2, le=100.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, ge=1e-2, le=100.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     stop: StopField = None
     stop_regex: StopField = None  # SGLang's name: stop once the output text matches a pattern
     stop_token_ids: list[TokenIdInt] | None = None
@@ -85,6 +87,8 @@ class _Sampling(BaseModel):
         """A 400 that says what a json_schema must be, not pydantic's "valid string"."""
         if v is not None and not isinstance(v, str | dict):
             raise ValueError(f"json_schema must be a JSON schema as a string or an object (got {_json_type(v)})")
+        if isinstance(v, dict):
+            check_json_depth(v, "json_schema")  # before json.dumps in _schema_text
         return v
 
     @field_validator("json_schema", mode="after")
@@ -177,7 +181,7 @@ class _OpenAIBase(_Sampling):
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -266,6 +270,7 @@ class JsonSchemaFormat(BaseModel):
         no lax coercion of 1 or "yes" to the schema ``true``."""
         if not isinstance(v, dict | bool):
             raise ValueError(f"schema must be a JSON schema as an object or a boolean (got {_json_type(v)})")
+        check_json_depth(v, "schema")  # before json.dumps in ResponseFormat.schema_text
         return v
 
 

@@ -566,15 +566,29 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
         send.close()
 
 
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (the
+    ``cpu.max`` file, "quota period" or "max period"; a container's ``--cpus``), rounded up."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
 def idle_spin_s(args: ServerArgs, cores: int | None = None) -> float:
     """The scheduler process's idle spin in seconds: ``--idle-spin-ms``, or by default 20 ms
-    where the process may run on 4 or more cores (``cores``: default, its CPU affinity) and
+    where the process may use 4 or more cores (``cores``: default ``usable_cores()``) and
     none on fewer: on the 2-core CPU box a spinning scheduler slowed the HTTP process
     sharing the other core (a 4096-id request reached its first launch 0.5-1.9 ms later)."""
     if args.idle_spin_ms is not None:
         return args.idle_spin_ms / 1e3
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
     return 0.02 if cores >= 4 else 0.0
 
 

@@ -225,7 +225,7 @@ class ServerArgs:
         None, "After its last work, the scheduler process polls for requests without blocking for "
         "this many milliseconds before it sleeps: a request arriving in that window is taken "
         "0.1-0.2 ms sooner (ZeroMQ need not wake the thread); it uses a core while it spins. "
-        "Default: 20 where the process may run on 4 or more cores, else 0 (on fewer, the "
+        "Default: 20 where the process may use 4 or more cores (CPU affinity and cgroup quota), else 0 (on fewer, the "
         "spinning core is one the HTTP process needs). 0: never spin (SGLang's scheduler spins "
         "whenever idle unless --sleep-on-idle). An Engine's scheduler thread never spins."
     )

@@ -52,6 +52,8 @@ def compile_stop_regex(pattern: str) -> regex.Pattern:
         compiled = regex.compile(pattern)
     except (regex.error, TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from None
+    except RecursionError:  # thousands of nested groups
+        raise ValueError(f"invalid regular expression {pattern[:40]!r}...: nested too deeply") from None
     if compiled.search("") is not None:
         raise ValueError(f"regular expression {pattern!r} matches the empty text, so it would stop "
                          "generation at once")

@@ -295,6 +295,8 @@ class TokenizerManager:
             raise InvalidRequest(f"request id {gen.rid!r} is already in use", "rid")
         for stop in gen.sampling.stop:
             _check_unicode(stop, "stop")
+        for pattern in gen.sampling.stop_regex:
+            _check_unicode(pattern, "stop_regex")
         vocab = self.ready.vocab_size
         if min(gen.input_ids) < 0 or max(gen.input_ids) >= vocab:  # 4096 ids: 0.10 ms (per-id loop: 0.18)
             raise InvalidRequest(f"token ids must be in [0, {vocab})", field_name)

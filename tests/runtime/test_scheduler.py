@@ -480,3 +480,20 @@ def test_idle_spin_defaults_to_20_ms_with_4_cores_or_more_and_follows_the_flag()
     assert idle_spin_s(ServerArgs(idle_spin_ms=0), cores=16) == 0.0
     with pytest.raises(ValueError, match="idle-spin-ms"):
         ServerArgs(idle_spin_ms=-1).validate()
+
+
+def test_usable_cores_honours_a_cgroup_quota(tmp_path):
+    """A container limited to 2.5 CPUs on a many-core host counts 3, so no default spin."""
+    import os
+
+    from radixlm.runtime.scheduler import usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("250000 100000\n")
+    assert usable_cores(str(cpu_max)) == min(affinity, 3)
+    cpu_max.write_text("50000 100000\n")
+    assert usable_cores(str(cpu_max)) == 1
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(str(cpu_max)) == affinity
+    assert usable_cores(str(tmp_path / "missing")) == affinity

@@ -1,7 +1,12 @@
+"""FastAPI's handling of a 4096-id /generate body (an ASGI call, no socket) against
+``model_validate_json`` on the raw body; with the argument ``orjson``, the app's routes are
+``OrjsonRoute`` (what the server runs). Run from the checkout root."""
+
 import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 
 from fastapi import FastAPI, Request
@@ -17,7 +22,6 @@ body = json.dumps(
         "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
     }
 ).encode()
-import sys
 app = FastAPI()
 if sys.argv[1:] == ["orjson"]:
     from radixlm.runtime.http_server import OrjsonRoute

@@ -1,4 +1,10 @@
-"""Where a served request's time to first token goes: timestamps of each stage, from the
+"""Session 32's copy of bench/served_ttft_trace.py, for the A/B of ab_trace.sh: TTRACE_GAP
+(seconds between requests, default 0.05), TTRACE_N (requests, default 40), TTRACE_CLIENT=lean
+(http.client with an orjson body encoded before the clock, instead of httpx); the
+``prefix_ttft_4k`` runs are left out (on the CPU its ratio means nothing). The original's
+docstring follows.
+
+Where a served request's time to first token goes: timestamps of each stage, from the
 client's send to its first streamed chunk, for a 4K-token prompt whose first 3968 tokens
 are cached (128 new) and for a fresh 16-token prompt (20 of each, medians; the first two
 of each dropped), then ``gpu_serving.prefix_ttft_4k`` three times.
@@ -27,21 +33,20 @@ Results: BENCHMARKS.md ("Served TTFT: where the time goes").
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
+import orjson
 
-sys.path.insert(0, "/work/main/bench")
-import os, http.client, orjson
-from urllib.parse import urlsplit
-from gpu_serving import prefix_ttft_4k  # noqa: E402
-
-from radixlm.runtime.server_process import ServerProcess  # noqa: E402
+from radixlm.runtime.server_process import ServerProcess
 
 
 def main() -> None:
