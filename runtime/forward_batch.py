@@ -16,6 +16,8 @@ Token i of the flat ``input_ids`` belongs to request b where cu_extend[b] <= i <
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,22 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _packed(parts: Sequence[Sequence[int]], typecode: str, device: torch.device | str) -> list[torch.Tensor]:
+    """``parts`` as 1-D tensors (int64 for typecode "q", int32 for "i") on ``device``:
+    views of one buffer, copied there at once (``to_device``)."""
+    flat = array(typecode)
+    for part in parts:
+        flat.extend(part)
+    if not flat:
+        flat.append(0)  # torch.frombuffer needs a non-empty buffer; the views stay empty
+    whole = to_device(torch.frombuffer(flat, dtype=torch.int64 if typecode == "q" else torch.int32), device)
+    out, offset = [], 0
+    for part in parts:
+        out.append(whole[offset : offset + len(part)])
+        offset += len(part)
+    return out
 
 
 @dataclass
@@ -96,45 +114,51 @@ class ForwardBatch:
         extend_lens = [len(t) for t in tokens]
         if any(n == 0 for n in extend_lens):
             raise ValueError("every request in a ForwardBatch needs at least one new token")
-        flat_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        # Every int64 vector goes into one host buffer and every int32 one (the page table
+        # included) into another: two host-to-device copies, not one per field (each a
+        # pinned block and a copy on CUDA). A request's KV slots are one range per page it
+        # writes, not one Python expression per token (4096 tokens: 256 ranges).
+        flat_ids, positions, slots = array("q"), array("q"), array("q")
         for toks, start, table in zip(tokens, prefix_lens, page_tables, strict=True):
             end = start + len(toks)
             if len(table) * page_size < end:
                 raise ValueError(f"page table of {len(table)} pages cannot hold {end} tokens")
             flat_ids.extend(toks)
-            pos = range(start, end)
-            positions.extend(pos)
-            slots.extend(table[t // page_size] * page_size + t % page_size for t in pos)
-        max_pages = max(len(t) for t in page_tables)
-        table = torch.zeros((len(tokens), max_pages), dtype=torch.int32)
-        for b, pages in enumerate(page_tables):
-            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            positions.extend(range(start, end))
+            first, last = start // page_size, (end - 1) // page_size
+            for p in range(first, last + 1):
+                base = table[p] * page_size - p * page_size  # slot of position t: base + t
+                slots.extend(range(base + max(start, p * page_size), base + min(end, (p + 1) * page_size)))
+        writes = sink_writes or []
+        int64 = [flat_ids, positions, slots, logits_rows, [r for r, _ in writes], [s for _, s in writes]]
+        b, max_pages = len(tokens), max(len(t) for t in page_tables)
         cu = [0]
         for n in extend_lens:
             cu.append(cu[-1] + n)
-
-        def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=dtype), device)
-
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
-        writes = sink_writes or []
+        int32 = [prefix_lens, extend_lens, seq_lens, cu, sink_slots or []]
+        table_flat, pad = array("i"), [0] * max_pages
+        for pages in page_tables:  # padded with the dummy page 0
+            table_flat.extend(pages)
+            table_flat.extend(pad[len(pages):])
+        (ids_t, pos_t, slots_t, rows_t, sink_rows_t, sink_write_t), (
+            prefix_t, extend_t, seq_t, cu_t, sink_t, table_t) = (
+            _packed(int64, "q", device), _packed([*int32, table_flat], "i", device))
         return cls(
-            input_ids=t(flat_ids, torch.int64),
-            positions=t(positions, torch.int64),
-            page_table=to_device(table, device),
-            prefix_lens=t(prefix_lens, torch.int32),
-            extend_lens=t(extend_lens, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            cu_extend=t(cu, torch.int32),
-            out_slots=t(slots, torch.int64),
-            logits_rows=t(logits_rows, torch.int64),
+            input_ids=ids_t,
+            positions=pos_t,
+            page_table=table_t.view(b, max_pages),
+            prefix_lens=prefix_t,
+            extend_lens=extend_t,
+            seq_lens=seq_t,
+            cu_extend=cu_t,
+            out_slots=slots_t,
+            logits_rows=rows_t,
             page_size=page_size,
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=extend_lens,
-            sink_slots=None if sink_slots is None else t(sink_slots, torch.int32),
-            sink_rows=t([r for r, _ in writes], torch.int64) if writes else None,
-            sink_write_slots=t([s for _, s in writes], torch.int64) if writes else None,
+            sink_slots=None if sink_slots is None else sink_t,
+            sink_rows=sink_rows_t if writes else None,
+            sink_write_slots=sink_write_t if writes else None,
             logits_all=len(logits_rows) == len(flat_ids) and list(logits_rows) == list(range(len(flat_ids))),
         )
