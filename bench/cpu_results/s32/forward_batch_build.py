@@ -33,6 +33,6 @@ CASES = {
     "mixed 64 decode (~300 pages) + 512 chunk": case([(rng.randrange(4000, 4800), 1) for _ in range(64)] + [(0, 512)]),
     "8 prompts x 200": case([(0, 200)] * 8),
 }
-for name, (tokens, prefix, tables, rows) in CASES.items():
-    times = timeit.repeat(lambda: ForwardBatch.build(tokens, prefix, tables, rows, S, "cpu"), number=20, repeat=7)
+for name, args in CASES.items():
+    times = timeit.repeat(lambda args=args: ForwardBatch.build(*args, S, "cpu"), number=20, repeat=7)
     print(f"{name}: {statistics.median(times) / 20 * 1e6:.0f} us")
