@@ -1,7 +1,13 @@
+"""FastAPI's handling of a 4096-id /generate body (an ASGI call, no socket) against
+``model_validate_json`` on the raw body; with the argument ``orjson``, the app's routes are
+``OrjsonRoute`` (what the server runs; the argument was added in session 32, whose
+fastapi_body.txt used it). Run from the checkout root."""
+
 import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 
 from fastapi import FastAPI, Request
@@ -18,6 +24,9 @@ body = json.dumps(
     }
 ).encode()
 app = FastAPI()
+if sys.argv[1:] == ["orjson"]:
+    from radixlm.runtime.http_server import OrjsonRoute
+    app.router.route_class = OrjsonRoute
 
 
 @app.post("/generate")

@@ -12,35 +12,20 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "bench")
+sys.path[:0] = ["bench", "bench/gpu_results/s31"]
 from gpu_e2e import build_checkpoint  # noqa: E402
+from launch_probe import CALLS, wrap  # noqa: E402  (a timer around each call, session 31)
 from profile_step import HostOnlyGraphs, churn  # noqa: E402
 
-from radixlm.runtime import schedule_policy, scheduler  # noqa: E402
+from radixlm.runtime import schedule_policy  # noqa: E402
 from radixlm.runtime.cuda_graph_runner import CudaGraphRunner, PageTableRows  # noqa: E402
 from radixlm.runtime.model_runner import ModelRunner, PendingStep  # noqa: E402
 from radixlm.runtime.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
-
-CALLS: dict[str, list[float]] = {}
-
-
-def wrap(cls, name: str, key: str) -> None:
-    fn, seconds = getattr(cls, name), CALLS.setdefault(key, [])
-
-    def timed(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            seconds.append(time.perf_counter() - t)
-
-    setattr(cls, name, timed)
 
 
 def main() -> None:
@@ -73,5 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    _ = scheduler
     main()
