@@ -52,10 +52,19 @@ come *after* them: the extend kernel's causal mask hides them from the real quer
 they sit at position 0 (in range of the rotary table), write their K/V to the dummy slot
 0, and only the hidden state of the last real token (row T - 1) is returned::
 
-    static inputs [4, Tmax] int64, one host-to-device copy: input_ids, positions,
-      out_slots (first Tg columns) and (prefix_len, T - 1, page-table row, sink slot) in row 3
-    graph(Tg): prefix_lens = prefix_len; seq_lens = prefix_len + Tg; cu_extend = [0, Tg]
-               page_table = req_pages[row]; model.forward -> hidden [1, E] of row T - 1
+    static inputs, flat int64 [4 * Tmax + Pmax], one host-to-device copy of its first
+      4 * Tmax + P values (P: the request's pages): [4, Tmax] input_ids, positions,
+      out_slots (first Tg columns), (prefix_len, T - 1, page-table row, sink slot); then
+      the request's page ids [Pmax]
+    graph(Tg): req_pages[row] = page ids;  page_table = req_pages[row]
+               prefix_lens = prefix_len; seq_lens = prefix_len + Tg; cu_extend = [0, Tg]
+               model.forward -> hidden [1, E] of row T - 1
+
+The extend graph writes the request's whole page-table row itself (entries past its P
+pages keep an earlier extend's ids: a stale tail, never read). An extend is mostly a new
+request (its row written from scratch: the cached prefix's pages and the new ones), and
+outside the graph that write was an index copy of its own (two more host-to-device copies
+and a kernel) before the replay, on the cached-prefix TTFT's path.
 
 Sized at capture from the bound (prefix ``Pmax * page_size - Tg``), the split-KV extend
 kernel (``extend_num_splits``) always runs, its grid fixed; splits past a prefix's length
@@ -170,16 +179,18 @@ class CudaGraphRunner:
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        # One-request extends: [4, Tmax] inputs (see the module docstring), derived buffers.
+        # One-request extends: flat [4 * Tmax + Pmax] inputs (see the module docstring),
+        # derived buffers.
         self.extend_sizes = graph_extend_sizes(max_extend_tokens)
         t = max([*self.extend_sizes, 4])  # row 3 holds 4 values
-        self.ext_inputs = torch.zeros((4, t), dtype=torch.int64, device=device)
+        self.ext_flat = torch.zeros(4 * t + max_pages, dtype=torch.int64, device=device)
+        self.ext_inputs, self.ext_pages = self.ext_flat[: 4 * t].view(4, t), self.ext_flat[4 * t :]
         self.ext_prefix = torch.zeros(1, dtype=torch.int32, device=device)
         self.ext_seq_len = torch.ones(1, dtype=torch.int32, device=device)
         self.ext_row = torch.zeros(1, dtype=torch.int64, device=device)
         self.ext_table = torch.zeros((1, max_pages), dtype=torch.int32, device=device)
         self.ext_sink = torch.full((1,), -1, dtype=torch.int32, device=device)
-        self._ext_staging = [torch.zeros((4, t), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._ext_staging = [torch.zeros(4 * t + max_pages, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._ext_turn = 0
         self.ext_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.ext_outputs: dict[int, torch.Tensor] = {}
@@ -213,13 +224,19 @@ class CudaGraphRunner:
             sink_slots=self.ext_sink if self.pool.has_sink else None,
         )  # fmt: skip
 
-    def _forward_extend(self, tg: int, batch: ForwardBatch) -> torch.Tensor:
+    def _extend_inputs(self, tg: int) -> None:
+        """The extend graph's first ops: its batch's fields from the staged inputs, and the
+        request's page-table row written."""
         meta = self.ext_inputs[3]
         self.ext_prefix.copy_(meta[0:1])
         self.ext_seq_len.copy_(meta[0:1] + tg)
         self.ext_row.copy_(meta[1:2])
-        self.ext_table.copy_(self.req_pages[meta[2:3]])
+        self.ext_table.copy_(self.ext_pages.to(torch.int32))  # [Pmax] into [1, Pmax]
+        self.req_pages[meta[2:3]] = self.ext_table  # the request's row, for its decode steps
         self.ext_sink.copy_(meta[3:4])
+
+    def _forward_extend(self, tg: int, batch: ForwardBatch) -> torch.Tensor:
+        self._extend_inputs(tg)
         return self.model.forward(batch, self.pool)
 
     @torch.inference_mode()
@@ -349,16 +366,20 @@ class CudaGraphRunner:
             raise ValueError(f"page table of {len(pages)} pages does not reach position {end - 1}")
         if len(pages) > self.max_pages:
             raise ValueError(f"page table of {len(pages)} pages exceeds the captured width {self.max_pages}")
-        row = self._sync_tables([key if key is not None else object()], [pages])[0][0]
+        row = self.tables.sync([key if key is not None else object()], [pages])[0][0]  # the graph writes it
         staging = self._ext_staging[self._ext_turn]
         self._ext_turn ^= 1
-        host = staging.numpy()
+        flat = staging.numpy()
+        tmax = self.ext_inputs.shape[1]
+        host = flat[: 4 * tmax].reshape(4, tmax)
         host[:3, t:tg] = 0  # padding: token 0 at position 0, K/V into the dummy slot 0
         host[0, :t] = input_ids
         host[1, :t] = range(start, end)
         host[2, :t] = [pages[p // size] * size + p % size for p in range(start, end)]
         host[3, :4] = (start, t - 1, row, sink_slot)
-        self.ext_inputs.copy_(staging, non_blocking=True)
+        n = 4 * tmax + len(pages)
+        flat[4 * tmax : n] = pages
+        self.ext_flat[:n].copy_(staging[:n], non_blocking=True)
         self.ext_graphs[tg].replay()
         return self.ext_outputs[tg]
 

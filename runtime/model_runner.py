@@ -134,7 +134,12 @@ class ModelRunner:
         self._prev_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         self._prev_rows: dict[Req, int] = {}
         self._last_launch: PendingStep | None = None
-        self._ready_events = [torch.cuda.Event() for _ in range(2)] if self.device.type == "cuda" else []
+        cuda = self.device.type == "cuda"
+        self._ready_events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        # Pinned host buffers the sampled ids are copied into, one per event (used in turn):
+        # a new pinned block per step costs the caching host allocator's bookkeeping.
+        self._host_ids = [torch.empty(args.max_running_requests, dtype=torch.int64, pin_memory=True)
+                          for _ in range(2)] if cuda else []
         self._ready_turn = 0
         # see _sampling_batch: (requests, (their SamplingBatch, request -> row, any grammar))
         self._sampling_cache: tuple[tuple[Req, ...], tuple[SamplingBatch, dict[Req, int], bool]] | None = None
@@ -514,13 +519,16 @@ class ModelRunner:
         self._prev_rows = rows_of
         step.picks, step.sampled = picks, out
         if self.device.type == "cuda":  # start the copies to the host now, wait in collect()
-            step.sampled = SampleResult(*(t.to("cpu", non_blocking=True) if t is not None else None for t in (
-                out.next_ids, out.logprobs, out.top_ids, out.top_logprobs)))
-            # Two events in turn: a new event's record() cost 42 us of host time per step on
-            # the H200 host (creating it included). Step k's event is re-recorded by launch
-            # k + 2, after step k was read (one step in flight); were it not, the wait would
-            # only last longer.
+            # Two events and two pinned id buffers in turn: a new event's record() cost 42 us
+            # of host time per step on the H200 host (creating it included). Step k's buffer
+            # and event are reused by launch k + 2, after step k was collected (the scheduler
+            # collects the step in flight right after the next launch; collect() reads the
+            # buffer once).
             self._ready_turn ^= 1
+            host_ids = self._host_ids[self._ready_turn][: len(picks)]
+            host_ids.copy_(out.next_ids, non_blocking=True)
+            step.sampled = SampleResult(host_ids, *(t.to("cpu", non_blocking=True) if t is not None else None
+                                                    for t in (out.logprobs, out.top_ids, out.top_logprobs)))
             step.ready = self._ready_events[self._ready_turn]
             step.ready.record()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -99,6 +100,51 @@ def test_decode_page_table_writes_ride_with_the_step_inputs() -> None:
     assert replays == [2, 1, 0, 3]
     # Padding writes land on the dummy row 0, entry 0, which stays page 0.
     assert runner.req_pages[0].tolist() == [0] * 8
+
+
+def test_extend_replay_writes_the_requests_page_table_row_in_the_graph() -> None:
+    """An extend replay stages the request's page ids after its other inputs (one copy of
+    4 * Tmax + P values) and the graph writes the request's whole device row itself
+    (``_extend_inputs``); the host's mirror of the row is updated, so the request's next
+    decode step only writes the page it grew. Host side on the CPU: buffers without
+    capture, stand-in graphs doing the graphs' first ops."""
+    pool = KVPool(64, 4, 1, 1, 8, torch.float32, "cpu")
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=8))
+    runner._buffers(model, pool, max_bs=4, max_pages=8, prev_ids=torch.zeros(4, dtype=torch.int64),
+                    max_extend_tokens=8)
+    assert runner.extend_sizes == [8] and runner.ext_flat.shape == (4 * 8 + 8,)
+    decode_writes: list[int] = []
+
+    class Decode:
+        def replay(self) -> None:
+            decode_writes.append(int(runner.write_rows.count_nonzero()))
+            runner._write_pages()
+
+    runner.graphs = {bs: Decode() for bs in runner.batch_sizes}
+    runner.outputs = {bs: torch.zeros(bs, 8) for bs in runner.batch_sizes}
+    runner.ext_graphs = {tg: SimpleNamespace(replay=partial(runner._extend_inputs, tg)) for tg in runner.extend_sizes}
+    runner.ext_outputs = {tg: torch.zeros(1, 4) for tg in runner.extend_sizes}
+
+    def row_of(key: str) -> list[int]:
+        return runner.req_pages[runner.tables._row_of[key]].tolist()
+
+    # a: 3 new tokens at positions 9..11 of pages [5, 6, 7] (a cached prefix of 9 tokens)
+    runner.replay_extend([21, 22, 23], 9, [5, 6, 7], key="a")
+    assert row_of("a")[:3] == [5, 6, 7] and runner.ext_table[0, :3].tolist() == [5, 6, 7]
+    assert runner.ext_inputs[0].tolist() == [21, 22, 23, 0, 0, 0, 0, 0]  # bucket 8, padded with token 0
+    assert runner.ext_inputs[1, :3].tolist() == [9, 10, 11]
+    assert runner.ext_inputs[2].tolist() == [7 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 0, 0, 0, 0, 0]  # then dummy slot 0
+    assert runner.ext_inputs[3, :4].tolist() == [9, 2, runner.tables._row_of["a"], -1]
+    assert int(runner.ext_prefix) == 9 and int(runner.ext_seq_len) == 9 + 8 and int(runner.ext_row) == 2  # padded to 8
+    # b: a fresh 5-token prompt over two pages; a's row stays as it was
+    runner.replay_extend([1, 2, 3, 4, 5], 0, [9, 10], key="b")
+    assert row_of("b")[:2] == [9, 10] and row_of("a")[:3] == [5, 6, 7]
+    assert runner.ext_inputs[2].tolist() == [36, 37, 38, 39, 40, 0, 0, 0]
+    # a decodes at position 12 with one more page: one write, applied in the decode graph
+    runner.replay([30], [12], [[5, 6, 7, 11]], keys=["a"])
+    assert decode_writes == [1] and row_of("a")[:4] == [5, 6, 7, 11]
+    assert runner.req_pages[0].tolist() == [0] * 8  # the dummy row untouched
 
 
 def _claim_sinks(pool: KVPool, prompts: list[list[int]]) -> tuple[list[int] | None, list[tuple[int, int]] | None]:
@@ -265,3 +311,54 @@ def test_extend_replay_matches_eager(tiny_hf_model: Callable, kv: str) -> None:
         runner.replay_extend([0] * 33, 0, list(range(1, 10)))
     with pytest.raises(ValueError, match="does not reach"):
         runner.replay_extend([0] * 5, 0, [1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_server_loop_on_cuda_returns_the_tokens_of_reading_each_step(tiny_hf_model: Callable) -> None:
+    """The scheduler's overlapped loop on CUDA (decode graphs, extend graphs, the sampled ids
+    copied into two pinned host buffers used in turn) returns, request by request, the
+    tokens of the loop that reads each step before planning the next. Requests arrive at
+    different steps and stop at different lengths, so the batch grows and shrinks while a
+    step is in flight."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from radixlm.runtime import messages as m
+    from radixlm.runtime.model_runner import ModelRunner
+    from radixlm.runtime.scheduler import Scheduler
+    from radixlm.runtime.server_args import ServerArgs
+
+    model_dir = tiny_hf_model(max_position_embeddings=128, bos_token_id=1, eos_token_id=2)[0]
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w2").save_pretrained(model_dir)  # the runner loads one
+    runner = ModelRunner(ServerArgs(model_path=model_dir, device="cuda", dtype="float32", max_total_tokens=2048,
+                                    max_running_requests=8, cuda_graph_max_extend_tokens=32))  # fmt: skip
+    assert runner.graph_runner is not None
+    rng = random.Random(5)
+    prompts = [rng.choices(range(3, 256), k=rng.randint(2, 40)) for _ in range(7)]
+
+    def run(overlap: bool) -> dict[str, list[int]]:
+        s = Scheduler(ServerArgs(model_path="unused", disable_overlap_schedule=not overlap, debug_invariants=True),
+                      runner)  # fmt: skip
+        tokens: dict[str, list[int]] = {}
+        for step in range(200):
+            if step < 2 * len(prompts) and step % 2 == 0:  # a new request every other step
+                k = step // 2
+                s.handle(m.GenerateReq(rid=f"r{k}", input_ids=prompts[k], stream=True, sampling=m.SamplingParams(
+                    max_new_tokens=3 + 4 * k, temperature=0.0, ignore_eos=True)))  # fmt: skip
+            s._safe_step()
+            out = s.take_outputs()
+            for rid, tok in zip(out.token_rids if out else [], out.token_ids if out else [], strict=True):
+                tokens.setdefault(rid, []).append(tok)
+            for o in out.outputs if out else []:
+                assert o.error is None
+                tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+            if step > 2 * len(prompts) and not s.has_work:
+                break
+        assert s.violations == [] and not s.has_work
+        return tokens
+
+    with_overlap, without = run(True), run(False)
+    assert {rid: len(t) for rid, t in without.items()} == {f"r{k}": 3 + 4 * k for k in range(len(prompts))}
+    assert with_overlap == without
