@@ -253,8 +253,8 @@ def test_extend_replay_matches_eager(tiny_hf_model: Callable, kv: str) -> None:
     """One request extends T tokens over a cached prefix through the extend graphs (padded
     to the bucket): the last token's hidden state and the K/V written equal the eager
     pass, for prefixes mid-page and page-aligned, T from 2 to the largest bucket, the
-    same runner reused across requests; the dummy page absorbs the padding's writes.
-    ``fp8_e4m3+sink``: FP8 pages with an exact sink, claimed by the eager prefix passes
+    same runner reused across requests; the dummy page absorbs the padding's writes; each
+    request's device page-table row holds its pages after its replay. ``fp8_e4m3+sink``: FP8 pages with an exact sink, claimed by the eager prefix passes
     (the graphs only read sink slots; a pass that claims one runs eagerly)."""
     page = 4
     model = load_model(tiny_hf_model(max_position_embeddings=128)[0], torch.float32, "cuda", "triton")
@@ -301,6 +301,8 @@ def test_extend_replay_matches_eager(tiny_hf_model: Callable, kv: str) -> None:
     for k, ((prefix, _t), ids, table) in enumerate(zip(cases, prompts, tables_g, strict=True)):
         got = runner.replay_extend(ids[prefix:], prefix, table, key=k, sink_slot=sink_of(pool_g, ids))
         torch.testing.assert_close(got, want[k], atol=2e-5, rtol=2e-5)
+        row = runner.tables._row_of[k]  # the graph wrote the request's row, for its decode steps
+        assert runner.req_pages[row, : len(table)].tolist() == table
     for layer in range(cfg.num_hidden_layers):
         torch.testing.assert_close(pool_g.k[layer][1:].float(), pool_e.k[layer][1:].float(), atol=1e-6, rtol=0)
         torch.testing.assert_close(pool_g.v[layer][1:].float(), pool_e.v[layer][1:].float(), atol=1e-6, rtol=0)
