@@ -61,7 +61,11 @@ they sit at position 0 (in range of the rotary table), write their K/V to the du
                model.forward -> hidden [1, E] of row T - 1
 
 The extend graph writes the request's whole page-table row itself (entries past its P
-pages keep an earlier extend's ids: a stale tail, never read). An extend is mostly a new
+pages keep an earlier extend's ids: a stale tail). The extend kernel reads page ids up to
+the padded end, prefix_len + Tg, which can pass the P pages: those keys are the padding's
+own or hidden by the causal mask from every real row, and the ids they read are ids of
+pool pages (or 0), so nothing real reads them. An extend whose padded end would pass
+Pmax * page_size (a prompt ending near the context length) runs eagerly (``fits_extend``). An extend is mostly a new
 request (its row written from scratch: the cached prefix's pages and the new ones), and
 outside the graph that write was an index copy of its own (two more host-to-device copies
 and a kernel) before the replay, on the cached-prefix TTFT's path.
@@ -345,6 +349,14 @@ class CudaGraphRunner:
                 return tg
         return None
 
+    def fits_extend(self, start: int, num_tokens: int) -> bool:
+        """Whether an extend of ``num_tokens`` at ``start`` can replay a graph: a bucket
+        holds it and, padded to that bucket, it ends within ``Pmax * page_size`` positions
+        (the padding's keys are read through the page table too). A prompt ending near
+        the context length can fail the second: it runs eagerly."""
+        tg = self.extend_bucket(num_tokens) if num_tokens >= 2 else None
+        return tg is not None and start + tg <= self.max_pages * self.page_size
+
     def replay_extend(self, input_ids: list[int], start: int, pages: list[int],
                       key: Hashable | None = None, sink_slot: int = -1) -> torch.Tensor:
         """One request extends T = len(input_ids) tokens (all known on the host) at
@@ -353,9 +365,11 @@ class CudaGraphRunner:
 
         Returns the hidden state [1, E] (model dtype) of its last token, a view of the
         graph's output buffer that the next replay of that bucket overwrites. Raises
-        ValueError if T < 2, T exceeds the largest bucket, or the page table is too short
-        or too wide. ``sink_slot``: the request's exact sink slot (-1 none); the graph only
-        reads it (a pass that writes a sink slot runs eagerly).
+        ValueError if T < 2, T exceeds the largest bucket, the page table is too short or
+        too wide, or the padded extend would end past the captured width (``start + Tg >
+        Pmax * page_size``: the padding's keys would index page-table columns beyond
+        Pmax; ``fits_extend`` tells beforehand). ``sink_slot``: the request's exact sink
+        slot (-1 none); the graph only reads it (a pass that writes a sink slot runs eagerly).
         """
         t = len(input_ids)
         tg = self.extend_bucket(t) if t >= 2 else None
@@ -366,6 +380,9 @@ class CudaGraphRunner:
             raise ValueError(f"page table of {len(pages)} pages does not reach position {end - 1}")
         if len(pages) > self.max_pages:
             raise ValueError(f"page table of {len(pages)} pages exceeds the captured width {self.max_pages}")
+        if not self.fits_extend(start, t):
+            raise ValueError(f"extend of {t} tokens at {start}, padded to {tg}, ends past the captured width "
+                             f"of {self.max_pages * size} positions")
         row = self.tables.sync([key if key is not None else object()], [pages])[0][0]  # the graph writes it
         staging = self._ext_staging[self._ext_turn]
         self._ext_turn ^= 1

@@ -272,6 +272,10 @@ class ModelRunner:
         An item may feed a token that is still being sampled by the previous launch (its
         request's ``num_inflight`` > 0, the overlap scheduler): that input is taken on the
         device from the previous launch's sampled ids, so the host never waits for it.
+
+        On CUDA, step k's sampled ids land in one of two pinned host buffers, used in turn:
+        the caller must ``collect()`` step k before launch k + 2 (the scheduler collects the
+        step in flight right after the next launch), or step k's ids are overwritten.
         """
         items = decision.items
         writes = [(it.req.pages, it.start, it.num_tokens) for it in items] if self.pool.tiered else []
@@ -406,14 +410,14 @@ class ModelRunner:
     def _replay_extend(self, items: list[ScheduleItem], inputs: list[list[int]],
                        inflight: list[tuple[int, int]]) -> torch.Tensor | None:
         """The hidden state [1, E] of the last token from an extend CUDA graph if this step
-        is one request extending 2..max tokens known on the host, sampling after the last
-        and scoring no prompt token; else None."""
+        is one request extending 2..max tokens known on the host that fit a graph padded
+        (``CudaGraphRunner.fits_extend``), sampling after the last and scoring no prompt
+        token; else None."""
         runner = self.graph_runner
         if runner is None or not runner.extend_sizes or len(items) != 1 or inflight:
             return None
         it = items[0]
-        if (not it.samples or runner.extend_bucket(it.num_tokens) is None or it.num_tokens < 2
-                or self._prompt_positions(it)):
+        if not it.samples or not runner.fits_extend(it.start, it.num_tokens) or self._prompt_positions(it):
             return None
         sink = -1
         if self.pool.has_sink:

@@ -147,6 +147,34 @@ def test_extend_replay_writes_the_requests_page_table_row_in_the_graph() -> None
     assert runner.req_pages[0].tolist() == [0] * 8  # the dummy row untouched
 
 
+def test_an_extend_whose_padding_ends_past_the_captured_width_runs_eagerly() -> None:
+    """Padded to its bucket, an extend must end within Pmax * page_size positions (the
+    extend kernel reads the padding's keys through the page table too: past that, it
+    would read beyond the row). A prompt ending near the context length can fail it:
+    ``replay_extend`` refuses it and the model runner takes the eager path."""
+    from radixlm.runtime.model_runner import ModelRunner
+    from radixlm.runtime.schedule_policy import ScheduleItem
+
+    pool = KVPool(64, 4, 1, 1, 8, torch.float32, "cpu")
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)
+    runner._buffers(SimpleNamespace(config=SimpleNamespace(vocab_size=8)), pool, max_bs=4, max_pages=8,
+                    prev_ids=torch.zeros(4, dtype=torch.int64), max_extend_tokens=8)  # 32 positions, bucket 8
+    runner.ext_graphs = {8: SimpleNamespace(replay=partial(runner._extend_inputs, 8))}
+    runner.ext_outputs = {8: torch.zeros(1, 4)}
+    assert runner.fits_extend(24, 3) and not runner.fits_extend(25, 3)  # 25 + 8 > 32
+    assert not runner.fits_extend(0, 1) and not runner.fits_extend(0, 9)  # no bucket
+    with pytest.raises(ValueError, match="past the captured width"):
+        runner.replay_extend([1, 2, 3], 25, list(range(1, 8)))
+
+    class Req:  # hashable, as the model runner's requests (the page-table row's key)
+        pages = list(range(1, 9))
+
+    host = SimpleNamespace(graph_runner=runner, pool=pool, _prompt_positions=lambda it: range(0))
+    near_end = [ScheduleItem(Req(), 25, 3, True)]
+    assert ModelRunner._replay_extend(host, near_end, [[1, 2, 3]], []) is None  # eager
+    assert ModelRunner._replay_extend(host, [ScheduleItem(Req(), 24, 3, True)], [[1, 2, 3]], []) is not None
+
+
 def _claim_sinks(pool: KVPool, prompts: list[list[int]]) -> tuple[list[int] | None, list[tuple[int, int]] | None]:
     """(sink slots, writes) of a prefill of ``prompts`` from position 0, as ModelRunner
     builds them (``KVPool.sink_slot``); (None, None) for pools without a sink."""
@@ -254,7 +282,8 @@ def test_extend_replay_matches_eager(tiny_hf_model: Callable, kv: str) -> None:
     to the bucket): the last token's hidden state and the K/V written equal the eager
     pass, for prefixes mid-page and page-aligned, T from 2 to the largest bucket, the
     same runner reused across requests; the dummy page absorbs the padding's writes; each
-    request's device page-table row holds its pages after its replay. ``fp8_e4m3+sink``: FP8 pages with an exact sink, claimed by the eager prefix passes
+    request's device page-table row holds its pages after its replay. ``fp8_e4m3+sink``:
+    FP8 pages with an exact sink, claimed by the eager prefix passes
     (the graphs only read sink slots; a pass that claims one runs eagerly)."""
     page = 4
     model = load_model(tiny_hf_model(max_position_embeddings=128)[0], torch.float32, "cuda", "triton")
@@ -341,8 +370,8 @@ def test_overlapped_server_loop_on_cuda_returns_the_tokens_of_reading_each_step(
     prompts = [rng.choices(range(3, 256), k=rng.randint(2, 40)) for _ in range(7)]
 
     def run(overlap: bool) -> dict[str, list[int]]:
-        s = Scheduler(ServerArgs(model_path="unused", disable_overlap_schedule=not overlap, debug_invariants=True),
-                      runner)  # fmt: skip
+        s = Scheduler(ServerArgs(model_path="unused", disable_overlap_schedule=not overlap, debug_invariants=True,
+                                 max_running_requests=8), runner)  # fmt: skip
         tokens: dict[str, list[int]] = {}
         for step in range(200):
             if step < 2 * len(prompts) and step % 2 == 0:  # a new request every other step
