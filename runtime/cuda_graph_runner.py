@@ -60,15 +60,15 @@ they sit at position 0 (in range of the rotary table), write their K/V to the du
                prefix_lens = prefix_len; seq_lens = prefix_len + Tg; cu_extend = [0, Tg]
                model.forward -> hidden [1, E] of row T - 1
 
-The extend graph writes the request's whole page-table row itself (entries past its P
-pages keep an earlier extend's ids: a stale tail). The extend kernel reads page ids up to
-the padded end, prefix_len + Tg, which can pass the P pages: those keys are the padding's
-own or hidden by the causal mask from every real row, and the ids they read are ids of
-pool pages (or 0), so nothing real reads them. An extend whose padded end would pass
-Pmax * page_size (a prompt ending near the context length) runs eagerly (``fits_extend``). An extend is mostly a new
-request (its row written from scratch: the cached prefix's pages and the new ones), and
-outside the graph that write was an index copy of its own (two more host-to-device copies
-and a kernel) before the replay, on the cached-prefix TTFT's path.
+The extend graph writes the request's whole page-table row itself. An extend is mostly a
+new request (its row written from scratch: the cached prefix's pages and the new ones),
+and outside the graph that write was an index copy of its own (two more host-to-device
+copies and a kernel) before the replay, on the cached-prefix TTFT's path. Entries past
+the P pages keep an earlier extend's ids (a stale tail). The extend kernel reads page ids
+up to the padded end, prefix_len + Tg, which can pass the P pages: those keys are the
+padding's own or hidden by the causal mask from every real row, and the ids are pool
+pages (or 0), so nothing real reads them. An extend whose padded end would pass Pmax *
+page_size (a prompt ending near the context length) runs eagerly (``fits_extend``).
 
 Sized at capture from the bound (prefix ``Pmax * page_size - Tg``), the split-KV extend
 kernel (``extend_num_splits``) always runs, its grid fixed; splits past a prefix's length
@@ -380,7 +380,7 @@ class CudaGraphRunner:
             raise ValueError(f"page table of {len(pages)} pages does not reach position {end - 1}")
         if len(pages) > self.max_pages:
             raise ValueError(f"page table of {len(pages)} pages exceeds the captured width {self.max_pages}")
-        if not self.fits_extend(start, t):
+        if start + tg > self.max_pages * size:  # not fits_extend(start, t)
             raise ValueError(f"extend of {t} tokens at {start}, padded to {tg}, ends past the captured width "
                              f"of {self.max_pages * size} positions")
         row = self.tables.sync([key if key is not None else object()], [pages])[0][0]  # the graph writes it

@@ -59,27 +59,36 @@ def test_page_table_rows_copy_only_what_changed() -> None:
         rows.sync([a, b, c, d], [[1], [2], [3], [4]])
 
 
+def _uncaptured(max_extend_tokens: int) -> tuple[CudaGraphRunner, list[int]]:
+    """A graph runner's host side on the CPU: buffers for 4 requests, 8 pages of 4 tokens,
+    no capture; stand-in graphs doing the graphs' first ops (a decode graph's page-table
+    writes, each counted in the returned list; an extend graph's ``_extend_inputs``)."""
+    pool = KVPool(64, 4, 1, 1, 8, torch.float32, "cpu")
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=8))  # _buffers sizes the logits by it
+    runner._buffers(model, pool, max_bs=4, max_pages=8, prev_ids=torch.zeros(4, dtype=torch.int64),
+                    max_extend_tokens=max_extend_tokens)
+    decode_writes: list[int] = []
+
+    def decode() -> None:
+        decode_writes.append(int(runner.write_rows.count_nonzero()))
+        runner._write_pages()
+
+    runner.graphs = {bs: SimpleNamespace(replay=decode) for bs in runner.batch_sizes}
+    runner.outputs = {bs: torch.zeros(bs, 8) for bs in runner.batch_sizes}
+    runner.ext_graphs = {tg: SimpleNamespace(replay=partial(runner._extend_inputs, tg)) for tg in runner.extend_sizes}
+    runner.ext_outputs = {tg: torch.zeros(1, 4) for tg in runner.extend_sizes}
+    return runner, decode_writes
+
+
 def test_decode_page_table_writes_ride_with_the_step_inputs() -> None:
     """A decode replay stages its page-table writes in the inputs copy (rows 6-8), which the
     graph applies first (``_write_pages``); only writes beyond Bmax are written before the
     replay. Host side on the CPU: buffers without capture, a stand-in graph doing the
     graph's first op; every request's device row must end equal to its page table."""
-    pool = KVPool(64, 4, 1, 1, 8, torch.float32, "cpu")
-    runner = CudaGraphRunner.__new__(CudaGraphRunner)
-    model = SimpleNamespace(config=SimpleNamespace(vocab_size=8))  # _buffers sizes the logits by it
-    runner._buffers(model, pool, max_bs=4, max_pages=8, prev_ids=torch.zeros(4, dtype=torch.int64),
-                    max_extend_tokens=0)
+    runner, replays = _uncaptured(max_extend_tokens=0)
     assert runner.logits.shape == (4, 8) and runner.logits.dtype == torch.float32
     assert runner.inputs.shape == (INPUT_ROWS, 4)
-    replays: list[int] = []
-
-    class Graph:
-        def replay(self) -> None:
-            replays.append(int(runner.write_rows.count_nonzero()))
-            runner._write_pages()
-
-    runner.graphs = {bs: Graph() for bs in runner.batch_sizes}
-    runner.outputs = {bs: torch.zeros(bs, 8) for bs in runner.batch_sizes}
 
     def step(keys: list[str], tables: list[list[int]]) -> None:
         positions = [len(t) * 4 - 1 for t in tables]  # the last slot of each table
@@ -108,23 +117,8 @@ def test_extend_replay_writes_the_requests_page_table_row_in_the_graph() -> None
     (``_extend_inputs``); the host's mirror of the row is updated, so the request's next
     decode step only writes the page it grew. Host side on the CPU: buffers without
     capture, stand-in graphs doing the graphs' first ops."""
-    pool = KVPool(64, 4, 1, 1, 8, torch.float32, "cpu")
-    runner = CudaGraphRunner.__new__(CudaGraphRunner)
-    model = SimpleNamespace(config=SimpleNamespace(vocab_size=8))
-    runner._buffers(model, pool, max_bs=4, max_pages=8, prev_ids=torch.zeros(4, dtype=torch.int64),
-                    max_extend_tokens=8)
+    runner, decode_writes = _uncaptured(max_extend_tokens=8)
     assert runner.extend_sizes == [8] and runner.ext_flat.shape == (4 * 8 + 8,)
-    decode_writes: list[int] = []
-
-    class Decode:
-        def replay(self) -> None:
-            decode_writes.append(int(runner.write_rows.count_nonzero()))
-            runner._write_pages()
-
-    runner.graphs = {bs: Decode() for bs in runner.batch_sizes}
-    runner.outputs = {bs: torch.zeros(bs, 8) for bs in runner.batch_sizes}
-    runner.ext_graphs = {tg: SimpleNamespace(replay=partial(runner._extend_inputs, tg)) for tg in runner.extend_sizes}
-    runner.ext_outputs = {tg: torch.zeros(1, 4) for tg in runner.extend_sizes}
 
     def row_of(key: str) -> list[int]:
         return runner.req_pages[runner.tables._row_of[key]].tolist()
@@ -155,12 +149,7 @@ def test_an_extend_whose_padding_ends_past_the_captured_width_runs_eagerly() -> 
     from radixlm.runtime.model_runner import ModelRunner
     from radixlm.runtime.schedule_policy import ScheduleItem
 
-    pool = KVPool(64, 4, 1, 1, 8, torch.float32, "cpu")
-    runner = CudaGraphRunner.__new__(CudaGraphRunner)
-    runner._buffers(SimpleNamespace(config=SimpleNamespace(vocab_size=8)), pool, max_bs=4, max_pages=8,
-                    prev_ids=torch.zeros(4, dtype=torch.int64), max_extend_tokens=8)  # 32 positions, bucket 8
-    runner.ext_graphs = {8: SimpleNamespace(replay=partial(runner._extend_inputs, 8))}
-    runner.ext_outputs = {8: torch.zeros(1, 4)}
+    runner, _ = _uncaptured(max_extend_tokens=8)  # 32 positions, bucket 8
     assert runner.fits_extend(24, 3) and not runner.fits_extend(25, 3)  # 25 + 8 > 32
     assert not runner.fits_extend(0, 1) and not runner.fits_extend(0, 9)  # no bucket
     with pytest.raises(ValueError, match="past the captured width"):
@@ -169,7 +158,7 @@ def test_an_extend_whose_padding_ends_past_the_captured_width_runs_eagerly() -> 
     class Req:  # hashable, as the model runner's requests (the page-table row's key)
         pages = list(range(1, 9))
 
-    host = SimpleNamespace(graph_runner=runner, pool=pool, _prompt_positions=lambda it: range(0))
+    host = SimpleNamespace(graph_runner=runner, pool=runner.pool, _prompt_positions=lambda it: range(0))
     near_end = [ScheduleItem(Req(), 25, 3, True)]
     assert ModelRunner._replay_extend(host, near_end, [[1, 2, 3]], []) is None  # eager
     assert ModelRunner._replay_extend(host, [ScheduleItem(Req(), 24, 3, True)], [[1, 2, 3]], []) is not None
