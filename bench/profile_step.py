@@ -21,6 +21,7 @@ _collect (collect includes waiting for the device). ``--churn N`` runs N request
 run at ``--max-concurrency``: the batch changes every few steps), each step as a turn of
 the server loop (``Scheduler.serve_once``: the outputs encoded as for the socket), and
 reports the scheduler's busy time per pure decode step, the figure the server exports.
+``--num-scheduler-steps`` is the server flag (multi-step decode windows).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class HostOnlyGraphs(CudaGraphRunner):
 
     def __init__(self, runner: ModelRunner, logits: torch.Tensor) -> None:  # no super(): nothing captured
         n, pages = runner.args.max_running_requests, -(-runner.context_length // runner.page_size)
-        self._buffers(runner.model, runner.pool, n, pages, runner._prev_ids, 0)
+        self._buffers(runner.model, runner.pool, n, pages, runner._prev_ids, 0, runner.max_decode_window)
         self.graphs = {bs: type("NoGraph", (), {"replay": lambda self: None})() for bs in self.batch_sizes}
         self.outputs = {bs: logits[:bs] for bs in self.batch_sizes}  # a decode graph's output: logits
 
@@ -131,6 +132,8 @@ def main() -> None:
                     help="N requests through --batch slots, finished ones replaced (see churn())")
     ap.add_argument("--eager", action="store_true",
                     help="--stub-model on the CPU: the eager path (ForwardBatch) instead of the graph path's host code")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="the server flag: multi-step decode windows of this many steps")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16",
@@ -140,6 +143,7 @@ def main() -> None:
     server = ServerArgs(model_path=str(model_dir), device=DEVICE, max_running_requests=args.batch,
                         max_total_tokens=args.batch * 1024,
                         disable_overlap_schedule=args.disable_overlap_schedule,
+                        num_scheduler_steps=args.num_scheduler_steps,
                         dtype="bfloat16" if DEVICE == "cuda" else "float32")
     runner = ModelRunner(server)
     if args.stub_model:

@@ -84,6 +84,7 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Hashable
 
+import numpy as np
 import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch, to_device
@@ -140,14 +141,14 @@ class CudaGraphRunner:
     """
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_bs: int, max_pages: int,
-                 prev_ids: torch.Tensor, max_extend_tokens: int = 0) -> None:
+                 prev_ids: torch.Tensor, max_extend_tokens: int = 0, max_window: int = 1) -> None:
         if pool.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
-        self._buffers(model, pool, max_bs, max_pages, prev_ids, max_extend_tokens)
+        self._buffers(model, pool, max_bs, max_pages, prev_ids, max_extend_tokens, max_window)
         self.capture_seconds = self._capture_all()
 
     def _buffers(self, model: torch.nn.Module, pool: KVPool, max_bs: int, max_pages: int,
-                 prev_ids: torch.Tensor, max_extend_tokens: int) -> None:
+                 prev_ids: torch.Tensor, max_extend_tokens: int, max_window: int = 1) -> None:
         """Every static buffer, on the pool's device (host staging pinned on CUDA); no
         capture (bench/profile_step.py's host-only runner and the CPU tests stop here)."""
         device = pool.device
@@ -181,6 +182,13 @@ class CudaGraphRunner:
         # the host stages the next one (overlap), never when it stages the one after.
         self._staging = [torch.zeros((INPUT_ROWS, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
+        # Multi-step windows: the inputs of steps 1 .. W - 1 [W - 1, 9, Bmax], staged with
+        # step 0's (two pinned sets in turn, as above), copied into ``inputs`` step by step.
+        self.max_window = max_window
+        self.window_inputs = torch.zeros((max(max_window - 1, 0), INPUT_ROWS, n), dtype=torch.int64, device=device)
+        self._window_staging = [torch.zeros((max(max_window - 1, 0), INPUT_ROWS, n), dtype=torch.int64,
+                                            pin_memory=pin) for _ in range(2)]
+        self._window = (1, 1, 0, 0)  # (next step, steps, bucket, B) of the last replay's window
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # One-request extends: flat [4 * Tmax + Pmax] inputs (see the module docstring),
@@ -293,7 +301,7 @@ class CudaGraphRunner:
 
     def replay(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]],
                src_rows: list[int] | None = None, keys: list[Hashable] | None = None,
-               sink_slots: list[int] | None = None) -> torch.Tensor:
+               sink_slots: list[int] | None = None, steps: int = 1) -> torch.Tensor:
         """One decode step of B = len(input_ids) requests: request b feeds token
         ``input_ids[b]`` at ``positions[b]`` (its K/V goes to position ``positions[b]`` of
         the pages ``page_tables[b]``; it attends over positions 0..positions[b]). An input
@@ -306,21 +314,29 @@ class CudaGraphRunner:
         must have waited on the stream for replay k (e.g. read its results) before replay
         k + 2 stages its inputs; the overlap scheduler keeps one step in flight at most.
 
+        ``steps`` > 1 (at most ``max_window``): the first step of a multi-step window. The
+        same copy also stages steps 1 .. steps - 1 (request b at ``positions[b] + i``, its
+        input the previous step's sample of row b: ``prev_ids[b]``, no page-table writes:
+        this step writes every page the window needs); ``replay_next`` replays them.
+
         Returns logits [B, V] float32 (the LM head's), a view of the graphs' output buffer
-        that the next replay overwrites. Raises ValueError if B exceeds the largest bucket or a
-        page table is too short / too wide.
+        that the next replay overwrites. Raises ValueError if B exceeds the largest bucket,
+        ``steps`` the window, or a page table is too short (for every step) / too wide.
         """
         b = len(input_ids)
         bs = self.bucket(b)
         if bs is None or b == 0:
             raise ValueError(f"batch of {b} requests: captured sizes are 1..{self.max_bs}")
-        size, max_pages = self.page_size, self.max_pages
+        if not 1 <= steps <= self.max_window:
+            raise ValueError(f"{steps} steps: the window holds 1..{self.max_window}")
+        size, max_pages, reach = self.page_size, self.max_pages, steps - 1
         slots = []
         for pos, table in zip(positions, page_tables, strict=True):
             page, width = pos // size, len(table)
-            if page >= width or width > max_pages:
-                raise ValueError(f"page table of {width} pages does not reach position {pos}" if page >= width
-                                 else f"page table of {width} pages exceeds the captured width {max_pages}")
+            if (pos + reach) // size >= width or width > max_pages:
+                raise ValueError(f"page table of {width} pages does not reach position {pos + reach}"
+                                 if width <= max_pages else
+                                 f"page table of {width} pages exceeds the captured width {max_pages}")
             slots.append(table[page] * size + pos % size)
         rows, writes = self._sync_tables(keys if keys is not None else [object() for _ in range(b)], page_tables,
                                          in_graph=self.max_bs)
@@ -339,6 +355,47 @@ class CudaGraphRunner:
         host[4, :b] = rows
         host[5, :b] = sink_slots if sink_slots is not None else -1
         self.inputs.copy_(staging, non_blocking=True)
+        if steps > 1:
+            self._stage_window(host, positions, page_tables, slots, steps, self._turn ^ 1)
+        self._window = (1, steps, bs, b)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
+
+    def _stage_window(self, host: np.ndarray, positions: list[int], page_tables: list[list[int]],
+                      slots: list[int], steps: int, turn: int) -> None:
+        """Stage steps 1 .. steps - 1 of a window after step 0's inputs ``host`` (``replay``)
+        and queue their copy to ``window_inputs``. A step's KV slot is the last one's + 1
+        unless the position starts a page (looked up in the request's pages then)."""
+        b, size = len(positions), self.page_size
+        staging = self._window_staging[turn]
+        later = staging.numpy()[: steps - 1]
+        later[:] = host  # padding rows, table rows and sink slots as in step 0
+        later[:, 6:] = 0  # no page-table writes: step 0 applied the window's
+        later[:, 0, :b] = -1  # every input is the previous step's sample of its row
+        later[:, 3, :b] = np.arange(b)
+        first = np.asarray(positions)
+        offset, slot = first % size, np.asarray(slots)
+        for i in range(1, steps):
+            later[i - 1, 1, :b] = first + i
+            row = slot + i
+            for j in np.flatnonzero(offset + i >= size).tolist():  # crossed into a later page
+                pos = positions[j] + i
+                row[j] = page_tables[j][pos // size] * size + pos % size
+            later[i - 1, 2, :b] = row
+        self.window_inputs[: steps - 1].copy_(staging[: steps - 1], non_blocking=True)
+
+    def replay_next(self) -> torch.Tensor:
+        """The next step of the window the last ``replay`` staged: its inputs copied from
+        ``window_inputs`` on the device, the same bucket's graph replayed. The caller must
+        have written the previous step's samples into ``prev_ids`` (rows 0 .. B - 1) first.
+
+        Returns logits [B, V] float32 as ``replay``. Raises RuntimeError past the window's
+        last step."""
+        step, steps, bs, b = self._window
+        if step >= steps:
+            raise RuntimeError(f"step {step} of a window of {steps}: nothing staged")
+        self.inputs.copy_(self.window_inputs[step - 1])
+        self._window = (step + 1, steps, bs, b)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
 

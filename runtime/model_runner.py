@@ -66,6 +66,7 @@ class ItemResult:
     top_logprobs: list[tuple[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    window_ids: list[int] | None = None  # a multi-step window's tokens, in order (next_id None)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -141,6 +142,13 @@ class ModelRunner:
         self._host_ids = [torch.empty(args.max_running_requests, dtype=torch.int64, pin_memory=True)
                           for _ in range(2)] if cuda else []
         self._ready_turn = 0
+        # Multi-step windows (--num-scheduler-steps): each step's sampled ids [W, R] on the
+        # device, read back in one copy per window into pinned buffers used in turn as above.
+        self.max_decode_window = window = args.num_scheduler_steps  # the longest window launch() takes
+        self._window_ids = (torch.zeros((window, args.max_running_requests), dtype=torch.int64, device=self.device)
+                            if window > 1 else None)
+        self._window_host = [torch.empty(window * args.max_running_requests, dtype=torch.int64, pin_memory=True)
+                             for _ in range(2)] if cuda and window > 1 else []
         # see _sampling_batch: (requests, (their SamplingBatch, request -> row, any grammar))
         self._sampling_cache: tuple[tuple[Req, ...], tuple[SamplingBatch, dict[Req, int], bool]] | None = None
         self._sink_claims: list[int] = []  # first tokens whose sink slots the last prepare() claimed
@@ -173,7 +181,8 @@ class ModelRunner:
         # int4 / mixed: extend graphs not used yet (their extend kernel untested under capture)
         max_extend = 0 if self.pool.tiered else min(args.cuda_graph_max_extend_tokens, self.context_length)
         return CudaGraphRunner(self.model, self.pool, max_bs, max_pages, self._prev_ids,
-                               max_extend_tokens=max_extend if max_extend >= 2 else 0)
+                               max_extend_tokens=max_extend if max_extend >= 2 else 0,
+                               max_window=args.num_scheduler_steps)
 
     def _kv_scales(self) -> KVScales | tuple[None, None]:
         """FP8 KV scales [L, K] and channel means [L, K, D] from --kv-scales-path or a
@@ -275,17 +284,37 @@ class ModelRunner:
 
         On CUDA, step k's sampled ids land in one of two pinned host buffers, used in turn:
         the caller must ``collect()`` step k before launch k + 2 (the scheduler collects the
-        step in flight right after the next launch), or step k's ids are overwritten.
+        step in flight right after the next launch), or step k's ids are overwritten. A
+        multi-step window (``decision.decode_steps`` > 1) counts as one launch
+        (``_launch_window``).
         """
         items = decision.items
-        writes = [(it.req.pages, it.start, it.num_tokens) for it in items] if self.pool.tiered else []
-        self.pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the pages written
+        if decision.decode_steps > 1:
+            return self._launch_window(items, decision.decode_steps)
         # Whether any item may score prompt tokens (``_prompt_positions``): rarely, so a step
         # without logprob requests skips the per-item checks.
         scoring = any(it.req.return_logprob for it in items)
+        logits, rows, reqs = self._logits(items, scoring)
+        step = PendingStep(items)
+        if scoring:
+            step.results = [ItemResult() for _ in items]
+            self._prompt_logprobs(items, rows or [([], i) for i in range(len(items))], logits, step.results)
+        self._sample(items, rows, logits, step, scoring, reqs)
+        self._last_launch = step
+        return step
+
+    def _logits(self, items: list[ScheduleItem], scoring: bool, steps: int = 1
+                ) -> tuple[torch.Tensor, list[tuple[list[int], int | None]] | None, list[Req] | None]:
+        """One forward pass over ``items``: logits [N, V] float32, each item's (prompt-logprob
+        rows, sample row) or None when item i samples row i, and the items' requests when
+        the decode graph ran (None otherwise). ``scoring``: some item may score prompt
+        tokens. ``steps`` > 1: the first step of a multi-step window; the decode graph, if
+        it takes the step, stages the later steps' inputs too (``CudaGraphRunner.replay``)."""
+        writes = [(it.req.pages, it.start, it.num_tokens) for it in items] if self.pool.tiered else []
+        self.pool.begin_pass(writes)  # int4 / mixed: FP8 slots for the pages written
         reqs = None  # the decode graph's requests, one sampled row each, in order
         hidden = logits = None
-        graph = self._replay_decode(items, scoring)
+        graph = self._replay_decode(items, scoring, steps)
         if graph is not None:  # the decode graph computes the logits too
             logits, reqs = graph
         else:
@@ -307,11 +336,44 @@ class ModelRunner:
             self.pool.end_pass(writes, [it.num_tokens > 1 or it.start < len(it.req.prompt_ids) for it in items])
         if logits is None:
             logits = self.model.compute_logits(hidden)  # [N, V] float32
-        step = PendingStep(items)
-        if scoring:
-            step.results = [ItemResult() for _ in items]
-            self._prompt_logprobs(items, rows or [([], i) for i in range(len(items))], logits, step.results)
-        self._sample(items, rows, logits, step, scoring, reqs)
+        return logits, rows, reqs
+
+    def _launch_window(self, items: list[ScheduleItem], steps: int) -> PendingStep:
+        """A multi-step window (runtime/schedule_policy.py's docstring): ``steps`` decode steps
+        of the same B requests launched back to back, each step's sampled ids feeding the
+        next on the device (``_prev_ids``), and one PendingStep whose ``collect()`` reads the
+        steps x B ids (``ItemResult.window_ids``). The planner grew every request's pages
+        for the window; no item returns logprobs or has a grammar. The first step replays
+        the decode graph, which stages every step's inputs in the same host-to-device copy,
+        and each later step copies its inputs on the device and replays
+        (``CudaGraphRunner.replay_next``): per later step the host only launches the copy,
+        the graph, the sampling and two id copies. A batch no graph takes (CPU, eager) runs
+        each step as an ordinary decode pass reading its inputs from the last."""
+        b, reqs = len(items), [it.req for it in items]
+        sb, rows_of, _ = self._sampling_batch(reqs)
+        window = self._window_ids
+        logits, _, graph_reqs = self._logits(items, False, steps)
+        for i in range(steps):
+            if i:
+                if graph_reqs is not None:
+                    logits = self.graph_runner.replay_next()
+                else:
+                    logits, _, _ = self._logits([ScheduleItem(it.req, it.start + i, 1, True) for it in items], False)
+            ids = sample(logits[:b], sb, self.generator, want_logprobs=False).next_ids
+            self._prev_ids[:b].copy_(ids)  # the next step's inputs (and the next launch's)
+            self._prev_rows = rows_of
+            window[i, :b].copy_(ids)
+        step = PendingStep(items, picks=list(range(b)), decode_steps=steps)
+        ids = window[:steps, :b]
+        if self.device.type == "cuda":  # one copy to the host per window; wait in collect()
+            self._ready_turn ^= 1
+            host = self._window_host[self._ready_turn][: steps * b]
+            host.view(steps, b).copy_(ids, non_blocking=True)
+            step.sampled = SampleResult(host, None)
+            step.ready = self._ready_events[self._ready_turn]
+            step.ready.record()
+        else:
+            step.sampled = SampleResult(ids.reshape(-1).clone(), None)
         self._last_launch = step
         return step
 
@@ -378,12 +440,13 @@ class ModelRunner:
             raise RuntimeError(f"request {req.rid}: input tokens missing at {start}")
         return row
 
-    def _replay_decode(self, items: list[ScheduleItem], scoring: bool
+    def _replay_decode(self, items: list[ScheduleItem], scoring: bool, steps: int = 1
                        ) -> tuple[torch.Tensor, list[Req]] | None:
         """Logits [B, V] float32 from a CUDA graph and the items' requests, if this step is a
         pure decode step that fits one (one token per item, each sampling, no prompt
         logprobs: none if not ``scoring``); else None. Reads each item's input token itself
-        (``_inputs`` for one token per item, in the same loop as the rest)."""
+        (``_inputs`` for one token per item, in the same loop as the rest). ``steps``: as
+        ``CudaGraphRunner.replay``'s."""
         runner = self.graph_runner
         if runner is None or len(items) > runner.max_bs:
             return None
@@ -405,7 +468,7 @@ class ModelRunner:
             reqs.append(req)
         pool = self.pool
         sinks = [pool.sink_lookup(req.prompt_ids[0]) for req in reqs] if pool.has_sink else None
-        return runner.replay(input_ids, positions, tables, src, reqs, sinks), reqs
+        return runner.replay(input_ids, positions, tables, src, reqs, sinks, steps), reqs
 
     def _replay_extend(self, items: list[ScheduleItem], inputs: list[list[int]],
                        inflight: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -548,6 +611,7 @@ class PendingStep:
     picks: list[int] = field(default_factory=list)  # item index of each sampled row
     sampled: SampleResult | None = None
     ready: Any = None  # CUDA event recorded after the copies to the host
+    decode_steps: int = 1  # > 1: a multi-step window; ``sampled`` holds [steps, B] ids
     was_prefill: list[bool] = field(default_factory=list)  # per item, set by the scheduler
     ends_prefill: list[bool] = field(default_factory=list)  # per item: this step completes the prompt
     wait_seconds: float = 0.0  # host time collect() spent waiting for the device
@@ -568,6 +632,10 @@ class PendingStep:
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         self.sampled = None
+        if self.decode_steps > 1:  # item j's tokens: column j of [steps, B]
+            b = len(self.items)
+            self.results = [ItemResult(window_ids=next_ids[j::b]) for j in range(b)]
+            return self.results
         if self.results is None and top_ids is None and len(self.picks) == len(self.items):  # item i sampled row i
             self.results = list(map(ItemResult, next_ids, lps))  # map: ~30% less than a comprehension
             return self.results

@@ -83,6 +83,9 @@ class Req:
     # full per-token path (Scheduler._append_token). StopChecker.set_fast_path sets both.
     fast_stop_ids: frozenset[int] | None = None
     output_limit: int = 0
+    # Set by the scheduler for a request that may decode in multi-step windows (no grammar,
+    # logprobs, penalty or seed: nothing the host must see or feed between two of its tokens).
+    multi_step: bool = False
 
     @classmethod
     def from_message(cls, msg: GenerateReq, arrival: float) -> Req:

@@ -35,6 +35,16 @@ decays linearly to ``reserve_ratio_min`` over ``reserve_decay_steps`` plans with
 preemption, and jumps back to the initial value on a preemption (the adaptive
 "new token ratio" of SGLang), so preemptions stay rare without a lasting throughput cliff.
 
+Multi-step decoding (``decode_window`` n > 1, ``--num-scheduler-steps``; vLLM's multi-step
+scheduling): a plan whose items all decode one token, every request allowed windows
+(``Req.multi_step``) and n positions short of the context length, and nothing waiting,
+becomes a window of up to n decode steps (``ScheduleDecision.decode_steps``): each
+request's pages are grown for the n positions now, the model runner launches the n steps
+back to back, the scheduler reads the n tokens at once. A request that stops inside the
+window (a stop token or string, max_new_tokens) drops the tokens after its stop. Nothing
+waiting: a window never holds back a request the plan could admit (one that arrives
+during it waits for its end).
+
 The planner mutates only page tables and queue membership; it returns a
 ScheduleDecision that the model runner executes, so it is testable without a model.
 """
@@ -86,6 +96,9 @@ class ScheduleDecision:
     # swap-in or by the forward of the same step).
     swap_out: list[tuple[Req, list[int]]] = field(default_factory=list)
     swap_in: list[SwapIn] = field(default_factory=list)
+    # Decode steps of this plan: > 1 is a multi-step window (module docstring); every item
+    # then decodes one token per step, ``decode_steps`` tokens in all, pages already grown.
+    decode_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +127,7 @@ class BatchPlanner:
         schedule_max_passes: int = 1 << 62,
         admit_batch: int = 1,
         admit_max_wait_steps: int = 32,
+        decode_window: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cache = cache
@@ -146,6 +160,9 @@ class BatchPlanner:
             raise ValueError(f"need admit_batch >= 1 and admit_max_wait_steps >= 0, got "
                              f"{admit_batch}, {admit_max_wait_steps}")
         self.admit_batch = admit_batch
+        if decode_window < 1:
+            raise ValueError(f"need decode_window >= 1, got {decode_window}")
+        self.decode_window = decode_window
         self.admit_max_wait_steps = admit_max_wait_steps
         self._held_since: int | None = None  # plan step since which admission has been held
         tree = cache.tree if enable_prefix_reuse else None
@@ -200,7 +217,37 @@ class BatchPlanner:
         budget = self._schedule_running(decision, self.max_prefill_tokens)
         if self._admission_open(decision):
             self._admit_waiting(decision, budget)
+        if self.decode_window > 1 and decision.items and not self.waiting:
+            self._widen(decision)
         return decision
+
+    def _widen(self, decision: ScheduleDecision) -> None:
+        """Make a pure decode plan a window of up to ``decode_window`` steps (module
+        docstring), if every item's request may take one (``Req.multi_step``) and at least 2
+        positions are left before the context length, with each request's pages grown to
+        cover the window. A request with fewer tokens left than the window (max_new_tokens)
+        computes a few it drops: capping the window at the shortest would make a large
+        batch, where some request nearly always ends soon, step one at a time. Grows without
+        preempting anyone (cached leaves may be evicted): where pages run short the plan
+        stays one step (the pages grown so far serve the next steps)."""
+        if decision.preempted or decision.out_of_memory or decision.swap_out or decision.swap_in:
+            return
+        n, context = self.decode_window, self.context_length
+        for it in decision.items:
+            req = it.req
+            if it.num_tokens != 1 or not it.samples or not req.multi_step:
+                return
+            if context is not None:
+                left = context - (len(req.prompt_ids) + len(req.output_ids) + req.num_inflight)
+                if left < n:
+                    if left < 2:
+                        return
+                    n = left
+        grow, page_size = self.cache.grow, self.page_size
+        for it in decision.items:
+            if len(it.req.pages) * page_size < it.start + n and not grow(it.req, it.start + n):
+                return
+        decision.decode_steps = n
 
     def _admission_open(self, decision: ScheduleDecision) -> bool:
         """False while admission batching holds the waiting requests back (module

@@ -77,6 +77,9 @@ class Scheduler:
             schedule_max_passes=args.schedule_max_passes,
             admit_batch=_admit_batch(args, runner),
             admit_max_wait_steps=args.admit_max_wait_steps,
+            # int4 / mixed pools track the pages each pass writes (KVPool.begin_pass): one step at a
+            # time. The runner's buffers bound the window (the same args in a server).
+            decode_window=1 if tiered else min(args.num_scheduler_steps, getattr(runner, "max_decode_window", 1)),
         )
         self.overlap = not args.disable_overlap_schedule
         self.inflight: PendingStep | None = None  # launched, results not read yet
@@ -126,6 +129,7 @@ class Scheduler:
         grammar = grammar_of(req.sampling)
         if grammar is None and not req.return_logprob:
             self.stop_checker.set_fast_path(req)
+            req.multi_step = req.sampling.seed is None and not has_penalties(req.sampling)
         if grammar is not None:
             self.grammar_waiting.append((req, self.grammars.get(grammar)))
             return
@@ -200,9 +204,10 @@ class Scheduler:
             self.runner.apply_swaps(decision)
         launched = None
         if decision.items:
-            self.counters["steps"] += 1
+            steps = decision.decode_steps  # > 1: a multi-step window, that many forward passes
+            self.counters["steps"] += steps
             self._decode_step = all(it.num_tokens == 1 and it.samples for it in decision.items)
-            self.counters["decode_steps"] += self._decode_step
+            self.counters["decode_steps"] += steps if self._decode_step else 0
             launched = self.runner.launch(decision)
             self._advance(launched)
         if self.inflight is not None:
@@ -224,17 +229,18 @@ class Scheduler:
         """Bookkeeping of a launched step, before its results are known: computed tokens
         advance, sampled tokens are in flight. Records what the results will need."""
         was_prefill, ends_prefill, recomputed = [], [], 0
+        extra = step.decode_steps - 1  # a window: each item feeds its sampled tokens back
         for item in step.items:
             req = item.req
             start, n_prompt, high = req.num_computed, len(req.prompt_ids), req.max_computed
-            end = start + item.num_tokens
+            end = start + item.num_tokens + extra
             if high > start:  # recomputed after a preemption
                 recomputed += min(high, end) - start
             if high < end:
                 req.max_computed = end
             req.num_computed = end
             if item.samples:
-                req.num_inflight += 1
+                req.num_inflight += 1 + extra
             prefill = start < n_prompt
             ends = prefill and n_prompt <= end
             was_prefill.append(prefill)
@@ -269,6 +275,9 @@ class Scheduler:
         self._process_results(step, results)
 
     def _process_results(self, step: PendingStep, results: list[ItemResult]) -> None:
+        if step.decode_steps > 1:
+            self._process_window(step, results)
+            return
         counters, interval = self.counters, self.args.stream_interval
         token_rids, token_ids = self.token_rids, self.token_ids
         decoded = 0
@@ -311,6 +320,37 @@ class Scheduler:
                 else:
                     self._emit(req)
         counters["decode"] += decoded
+
+    def _process_window(self, step: PendingStep, results: list[ItemResult]) -> None:
+        """A multi-step window's results: each item's tokens in order (``res.window_ids``),
+        through the per-token checks of a single step; a request that finishes inside the
+        window drops the tokens after its finishing one. A streamed request gets one output
+        of all its new tokens per window."""
+        decoded, interval = 0, self.args.stream_interval
+        for item, res in zip(step.items, results, strict=True):
+            req = item.req
+            if req.finish_reason is not None:  # finished or aborted after the window was launched
+                continue
+            tokens = res.window_ids
+            decoded += len(tokens)
+            stop_ids, out = req.fast_stop_ids, req.output_ids
+            for token in tokens:
+                req.num_inflight -= 1
+                if stop_ids is None:
+                    self._append_token(req, ItemResult(token))
+                else:  # _append_token's outcome, as in _process_results
+                    out.append(token)
+                    if token in stop_ids:
+                        req.finish("stop", token)
+                    elif len(out) >= req.output_limit:
+                        req.finish("length")
+                if req.finish_reason is not None:
+                    break
+            if req.finish_reason is not None:
+                self._finish(req)  # num_inflight 0: the tokens after the finishing one are dropped
+            elif req.stream and len(out) - req.num_sent >= interval:
+                self._emit(req)
+        self.counters["decode"] += decoded
 
     def _append_token(self, req: Req, res: ItemResult) -> None:
         if req.sampling.max_new_tokens == 0:  # prompt scoring only

@@ -190,6 +190,17 @@ class ServerArgs:
     admit_max_wait_steps: int = _opt(
         32, "Admission batching: most consecutive steps that new requests are held back."
     )
+    num_scheduler_steps: int = _opt(
+        1,
+        "Multi-step decoding (vLLM's --num-scheduler-steps): while every running request "
+        "decodes and none waits, one scheduler turn launches up to this many decode steps "
+        "back to back (the sampled ids feed the next step on the device) and plans, reads and "
+        "streams once for all of them, so the scheduler's host time per decode step falls about "
+        "this many times. Costs: tokens stream this many at a time; a request that arrives "
+        "meanwhile waits for the window; one that stops early computes up to this many - 1 "
+        "tokens it discards. A step that holds a request with logprobs, a grammar, a penalty or "
+        "a seed, and int4 / mixed KV caches, run one step at a time. 1: off.",
+    )
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
     radix_eviction_policy: str = _opt(
         "lru",
@@ -314,6 +325,8 @@ class ServerArgs:
             raise ValueError("--schedule-max-passes must be >= 0")
         if self.admit_batch_size is not None and self.admit_batch_size < 1:
             raise ValueError("--admit-batch-size must be >= 1")
+        if not 1 <= self.num_scheduler_steps <= 64:
+            raise ValueError("--num-scheduler-steps must be in [1, 64]")
         if self.admit_max_wait_steps < 0:
             raise ValueError("--admit-max-wait-steps must be >= 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -385,6 +386,39 @@ def test_c13_stream_interval_4(server_factory, idle_invariants):
     # a small KV pool: this extra server only runs one short request at a time
     with server_factory(stream_interval=4, max_total_tokens=4096) as srv:
         _c13_single_modes(srv, interval=4)
+        idle_invariants(srv)
+
+
+def test_multi_step_windows_serve_what_single_steps_serve(server, server_factory, idle_invariants):
+    """--num-scheduler-steps 4: greedy /generate (a length cap that is not a multiple of 4,
+    a stop string) and the OpenAI streams give the default server's texts, the streamed
+    /generate events grow by up to 4 tokens (a window's), and concurrent requests all
+    finish with no page left locked."""
+    bodies = [{"text": REPEAT, "sampling_params": {"max_new_tokens": 30, "temperature": 0}},
+              {"text": "Count from one to twenty:", "sampling_params": {
+                  "max_new_tokens": 23, "temperature": 0, "ignore_eos": True}},
+              {"text": "Count from one to twenty:", "sampling_params": {
+                  "max_new_tokens": 40, "temperature": 0, "stop": [" 7"]}}]
+    with server.client() as c:
+        want = [post(c, "/generate", b) for b in bodies]
+    assert want[2]["meta_info"]["finish_reason"]["type"] == "stop", want[2]
+    with server_factory(num_scheduler_steps=4, max_total_tokens=8192) as srv:
+        _c13_single_modes(srv, interval=1)
+        with srv.client() as c:
+            for body, ref in zip(bodies, want, strict=True):
+                got = post(c, "/generate", body)
+                assert (got["text"], got["output_ids"]) == (ref["text"], ref["output_ids"])
+                assert got["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+            events = read_sse(c, "/generate", bodies[1])
+            sizes = [len(e["output_ids"]) for e in events]
+            steps = [b - a for a, b in zip([0, *sizes], sizes, strict=False)]
+            assert max(steps) == 4 and sum(steps) == 23, sizes
+            assert events[-1]["output_ids"] == want[1]["output_ids"]
+            with ThreadPoolExecutor(6) as pool:
+                outs = list(pool.map(lambda k: post(c, "/generate", {
+                    "text": f"Story {k}:", "sampling_params": {"max_new_tokens": 17 + k, "ignore_eos": True}}),
+                    range(6)))
+            assert [len(o["output_ids"]) for o in outs] == [17 + k for k in range(6)]
         idle_invariants(srv)
 
 

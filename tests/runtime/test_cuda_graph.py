@@ -59,7 +59,7 @@ def test_page_table_rows_copy_only_what_changed() -> None:
         rows.sync([a, b, c, d], [[1], [2], [3], [4]])
 
 
-def _uncaptured(max_extend_tokens: int) -> tuple[CudaGraphRunner, list[int]]:
+def _uncaptured(max_extend_tokens: int, max_window: int = 1) -> tuple[CudaGraphRunner, list[int]]:
     """A graph runner's host side on the CPU: buffers for 4 requests, 8 pages of 4 tokens,
     no capture; stand-in graphs doing the graphs' first ops (a decode graph's page-table
     writes, each counted in the returned list; an extend graph's ``_extend_inputs``)."""
@@ -67,7 +67,7 @@ def _uncaptured(max_extend_tokens: int) -> tuple[CudaGraphRunner, list[int]]:
     runner = CudaGraphRunner.__new__(CudaGraphRunner)
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=8))  # _buffers sizes the logits by it
     runner._buffers(model, pool, max_bs=4, max_pages=8, prev_ids=torch.zeros(4, dtype=torch.int64),
-                    max_extend_tokens=max_extend_tokens)
+                    max_extend_tokens=max_extend_tokens, max_window=max_window)
     decode_writes: list[int] = []
 
     def decode() -> None:
@@ -109,6 +109,38 @@ def test_decode_page_table_writes_ride_with_the_step_inputs() -> None:
     assert replays == [2, 1, 0, 3]
     # Padding writes land on the dummy row 0, entry 0, which stays page 0.
     assert runner.req_pages[0].tolist() == [0] * 8
+
+
+def test_a_window_stages_every_steps_inputs_and_replays_them_in_turn() -> None:
+    """``replay(..., steps=3)`` stages steps 1 and 2 with step 0's copy: each request one
+    position further, its input the previous step's sample of its row (-1, src row b), its
+    KV slot the next one or, where the position starts a page, the next page's first slot;
+    no page-table writes after step 0. ``replay_next`` copies them into the graph's inputs
+    in turn and refuses a step past the window; a window longer than the buffers is a
+    ValueError, as is a page table too short for the window's last position."""
+    runner, writes = _uncaptured(max_extend_tokens=0, max_window=3)
+    seen = []
+    for graph in runner.graphs.values():  # record the inputs each replay sees
+        graph.replay = partial(lambda old: (old(), seen.append(runner.inputs[:6, :2].clone())), graph.replay)
+    # a at position 6 (page 1, slot 2 of 4): steps at 7 and 8 (8 starts its third page, 30);
+    # b at position 1 (page 0): steps at 2 and 3, slots 41 and 42.
+    tables = [[10, 20, 30], [40]]
+    runner.replay([5, -1], [6, 1], tables, src_rows=[0, 3], keys=["a", "b"], steps=3)
+    assert writes == [4]  # both rows written whole by step 0's copy (3 + 1 page ids)
+    step0 = seen[0].tolist()
+    assert step0[:4] == [[5, -1], [6, 1], [20 * 4 + 2, 40 * 4 + 1], [0, 3]]
+    assert runner.replay_next().shape == (2, 8) and runner.replay_next().shape == (2, 8)
+    assert writes == [4, 0, 0]  # later steps write nothing
+    step1, step2 = seen[1].tolist(), seen[2].tolist()
+    assert step1[:4] == [[-1, -1], [7, 2], [20 * 4 + 3, 40 * 4 + 2], [0, 1]]
+    assert step2[:4] == [[-1, -1], [8, 3], [30 * 4 + 0, 40 * 4 + 3], [0, 1]]
+    assert step1[4] == step2[4] == step0[4]  # the same device page-table rows
+    with pytest.raises(RuntimeError, match="nothing staged"):
+        runner.replay_next()
+    with pytest.raises(ValueError, match="window holds 1..3"):
+        runner.replay([5], [6], [[10, 20, 30]], keys=["a"], steps=4)
+    with pytest.raises(ValueError, match="does not reach position 8"):
+        runner.replay([5], [6], [[10, 20]], keys=["a"], steps=3)
 
 
 def test_extend_replay_writes_the_requests_page_table_row_in_the_graph() -> None:
@@ -335,12 +367,14 @@ def test_extend_replay_matches_eager(tiny_hf_model: Callable, kv: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_overlapped_server_loop_on_cuda_returns_the_tokens_of_reading_each_step(tiny_hf_model: Callable) -> None:
+def test_overlapped_server_loop_on_cuda_returns_the_tokens_of_reading_each_step(tiny_hf_model: Callable,
+                                                                               monkeypatch) -> None:
     """The scheduler's overlapped loop on CUDA (decode graphs, extend graphs, the sampled ids
     copied into two pinned host buffers used in turn) returns, request by request, the
     tokens of the loop that reads each step before planning the next. Requests arrive at
     different steps and stop at different lengths, so the batch grows and shrinks while a
-    step is in flight."""
+    step is in flight. Multi-step windows of 4 (``replay_next``, the window's ids read back
+    in one copy) return them too, with and without overlap."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -353,14 +387,18 @@ def test_overlapped_server_loop_on_cuda_returns_the_tokens_of_reading_each_step(
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
     PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w2").save_pretrained(model_dir)  # the runner loads one
     runner = ModelRunner(ServerArgs(model_path=model_dir, device="cuda", dtype="float32", max_total_tokens=2048,
-                                    max_running_requests=8, cuda_graph_max_extend_tokens=32))  # fmt: skip
-    assert runner.graph_runner is not None
+                                    max_running_requests=8, cuda_graph_max_extend_tokens=32,
+                                    num_scheduler_steps=4))  # fmt: skip
+    assert runner.graph_runner is not None and runner.graph_runner.max_window == 4
     rng = random.Random(5)
     prompts = [rng.choices(range(3, 256), k=rng.randint(2, 40)) for _ in range(7)]
+    launches: list[int] = []
+    launch = runner.launch
+    monkeypatch.setattr(runner, "launch", lambda decision: launches.append(decision.decode_steps) or launch(decision))
 
-    def run(overlap: bool) -> dict[str, list[int]]:
+    def run(overlap: bool, steps: int = 1) -> dict[str, list[int]]:
         s = Scheduler(ServerArgs(model_path="unused", disable_overlap_schedule=not overlap, debug_invariants=True,
-                                 max_running_requests=8), runner)  # fmt: skip
+                                 max_running_requests=8, num_scheduler_steps=steps), runner)  # fmt: skip
         tokens: dict[str, list[int]] = {}
         for step in range(200):
             if step < 2 * len(prompts) and step % 2 == 0:  # a new request every other step
@@ -382,3 +420,8 @@ def test_overlapped_server_loop_on_cuda_returns_the_tokens_of_reading_each_step(
     with_overlap, without = run(True), run(False)
     assert {rid: len(t) for rid, t in without.items()} == {f"r{k}": 3 + 4 * k for k in range(len(prompts))}
     assert with_overlap == without
+    assert set(launches) == {1}
+    for overlap in (True, False):
+        launches.clear()
+        assert run(overlap, steps=4) == without
+        assert launches.count(4) >= 3, launches

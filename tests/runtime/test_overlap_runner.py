@@ -19,7 +19,8 @@ from radixlm.runtime.server_args import ServerArgs
 
 @pytest.fixture(scope="module")
 def runner(smollm2_dir: str) -> ModelRunner:
-    return ModelRunner(ServerArgs(model_path=smollm2_dir, device="cpu", max_total_tokens=4096))
+    # Windows of up to 4 steps: the buffers only; a scheduler asks for windows in its own args.
+    return ModelRunner(ServerArgs(model_path=smollm2_dir, device="cpu", max_total_tokens=4096, num_scheduler_steps=4))
 
 
 PROMPTS = {"a": [1, 504, 3458, 282, 4649, 314], "b": [1, 20, 30, 40, 50, 60, 70, 80, 90]}
@@ -59,7 +60,7 @@ class EagerGraphs(CudaGraphRunner):
 
     def __init__(self, runner: ModelRunner, max_bs: int) -> None:  # no super(): nothing captured
         pages = -(-runner.context_length // runner.page_size)
-        self._buffers(runner.model, runner.pool, max_bs, pages, runner._prev_ids, 0)
+        self._buffers(runner.model, runner.pool, max_bs, pages, runner._prev_ids, 0, runner.max_decode_window)
         self.graphs = {bs: SimpleNamespace(replay=partial(self._eager, bs)) for bs in self.batch_sizes}
         self.outputs, self.replays = {}, 0
 
@@ -154,3 +155,109 @@ def test_sampling_batch_of_fewer_stateless_rows_indexes_the_last_one(runner: Mod
     runner._sampling_batch([b, req("p", presence_penalty=0.5)])  # penalised: never cached
     runner._sampling_batch([b])
     assert len(builds) == 3
+
+
+def _stream(runner: ModelRunner, steps: int, overlap: bool, reqs: list[m.GenerateReq]) -> dict[str, dict]:
+    """Serve ``reqs`` with ``--num-scheduler-steps steps``: per request its streamed tokens
+    (the token columns and every output, in order), finish reason and matched stop."""
+    s = Scheduler(ServerArgs(model_path="unused", num_scheduler_steps=steps, disable_overlap_schedule=not overlap,
+                             debug_invariants=True), runner)
+    for req in reqs:
+        s.handle(req)
+    got = {req.rid: {"ids": [], "finish": None, "matched": None} for req in reqs}
+    for _ in range(80):
+        s._safe_step()
+        batch = s.take_outputs()
+        if batch is None:
+            continue
+        for rid, token in zip(batch.token_rids, batch.token_ids, strict=True):
+            got[rid]["ids"].append(token)
+        for out in batch.outputs:
+            got[out.rid]["ids"] += out.new_token_ids
+            if out.finish_reason is not None:
+                got[out.rid].update(finish=out.finish_reason, matched=out.matched_stop)
+    assert s.violations == [] and not s.has_work
+    assert s.allocator.num_free + s.cache.cached_pages == s.allocator.capacity  # no page leaked
+    return got
+
+
+def _count_launches(runner: ModelRunner, monkeypatch) -> list[int]:
+    """The decode steps of each later ``runner.launch`` (1, or a window's)."""
+    launches: list[int] = []
+    launch = runner.launch
+    monkeypatch.setattr(runner, "launch", lambda decision: launches.append(decision.decode_steps) or launch(decision))
+    return launches
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_multi_step_windows_stream_the_single_step_tokens(runner: ModelRunner, monkeypatch, graphs: bool) -> None:
+    """--num-scheduler-steps 4 (greedy): every request streams the tokens, finish reason
+    and matched stop it gets one step at a time: a length cap that is not a multiple of the
+    window, a stop token id and a stop string met inside a window (the tokens after them
+    dropped); with and without overlap, on the eager path and the decode-graph path."""
+    if graphs:
+        monkeypatch.setattr(runner, "graph_runner", EagerGraphs(runner, max_bs=4))
+
+    def reqs(stop_id: int | None = None, stop: str | None = None) -> list[m.GenerateReq]:
+        def gen(rid, ids, n, **sp):
+            return m.GenerateReq(rid=rid, input_ids=ids, stream=True, sampling=m.SamplingParams(
+                max_new_tokens=n, temperature=0.0, ignore_eos=True, **sp))
+        return [gen("a", PROMPTS["a"], 11), gen("b", PROMPTS["b"], 6),
+                gen("c", [1, 9, 8, 7], 12, **({"stop_token_ids": (stop_id,)} if stop_id is not None else {})),
+                gen("d", [1, 5, 5, 5], 12, **({"stop": (stop,)} if stop is not None else {}))]
+
+    free = _stream(runner, 1, True, reqs())
+    c_ids, d_ids = free["c"]["ids"], free["d"]["ids"]
+    stop_id = c_ids[6]  # met inside the second window, unless it came earlier
+    stop = runner.tokenizer.decode(d_ids[5:7])
+    base = _stream(runner, 1, True, reqs(stop_id, stop))
+    assert base["c"]["finish"] == "stop" and base["c"]["matched"] == stop_id and len(base["c"]["ids"]) <= 7
+    assert base["d"]["finish"] == "stop" and base["d"]["matched"] == stop
+    assert [base[r]["finish"] for r in "ab"] == ["length", "length"] and len(base["a"]["ids"]) == 11
+    launches = _count_launches(runner, monkeypatch)
+    for overlap in (True, False):
+        launches.clear()
+        assert _stream(runner, 4, overlap, reqs(stop_id, stop)) == base
+        assert launches.count(4) >= 2 and set(launches) == {1, 4}  # b's max_new_tokens does not cut one
+
+
+def test_a_step_with_a_logprob_request_is_not_a_window(runner: ModelRunner, monkeypatch) -> None:
+    """A request returning logprobs keeps the whole batch one step at a time, with the
+    same tokens as --num-scheduler-steps 1."""
+    def reqs() -> list[m.GenerateReq]:
+        sp = m.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        return [m.GenerateReq(rid="a", input_ids=PROMPTS["a"], sampling=sp),
+                m.GenerateReq(rid="b", input_ids=PROMPTS["b"], sampling=sp, return_logprob=True)]
+
+    launches = _count_launches(runner, monkeypatch)
+    got = _stream(runner, 4, True, reqs())
+    assert launches and set(launches) == {1}
+    assert got == _stream(runner, 1, True, reqs())
+
+
+def test_an_abort_while_a_window_is_in_flight_frees_the_request_and_spares_the_rest(runner: ModelRunner) -> None:
+    """A client abort that arrives while a window holding the request is on the device:
+    the request ends there, its pages come back, and the other request of the window
+    streams what it streams alone."""
+    def gen(rid: str, ids: list[int]) -> m.GenerateReq:
+        return m.GenerateReq(rid=rid, input_ids=ids, stream=True, sampling=m.SamplingParams(
+            max_new_tokens=10, temperature=0.0, ignore_eos=True))
+
+    alone = _stream(runner, 4, True, [gen("b", PROMPTS["b"])])["b"]
+    s = Scheduler(ServerArgs(model_path="unused", num_scheduler_steps=4, debug_invariants=True), runner)
+    s.handle(gen("a", PROMPTS["a"]))
+    s.handle(gen("b", PROMPTS["b"]))
+    b_ids = []
+    for turn in range(40):
+        s._safe_step()
+        if turn == 2:  # prefill, then the first window launched and in flight
+            assert s.inflight is not None and s.inflight.decode_steps == 4
+            s.handle(m.AbortReq(rid="a"))
+        batch = s.take_outputs()
+        if batch is not None:
+            b_ids += [t for rid, t in zip(batch.token_rids, batch.token_ids, strict=True) if rid == "b"]
+            b_ids += [t for out in batch.outputs if out.rid == "b" for t in out.new_token_ids]
+            assert all(out.rid != "a" or not out.new_token_ids for out in batch.outputs if turn > 2)
+    assert s.violations == [] and not s.has_work and "a" not in s.reqs
+    assert s.allocator.num_free + s.cache.cached_pages == s.allocator.capacity
+    assert b_ids == alone["ids"] and len(b_ids) == 10

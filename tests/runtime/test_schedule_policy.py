@@ -719,3 +719,54 @@ def test_admission_is_open_when_the_step_prefills_anyway():
 def test_admission_batch_arguments_are_checked():
     with pytest.raises(ValueError, match="admit_batch"):
         make_planner(num_pages=8, admit_batch=0)
+
+
+def test_a_pure_decode_plan_becomes_a_window_with_its_pages_grown():
+    """decode_window 4: with nothing waiting, a plan whose items all decode (requests
+    allowed windows) is a window of 4 steps and each request's pages cover the 4
+    positions; the context length caps it (at 2 positions or more left; fewer: one step);
+    a prefill item, a waiting request, a request not allowed windows, or too few pages
+    keep the plan one step."""
+    p = make_planner(num_pages=40, decode_window=4, context_length=40)
+    a, b = make_req("a", list(range(1, 7)), max_new=30), make_req("b", list(range(11, 14)), max_new=30)
+    for r in (a, b):
+        r.multi_step = True
+        p.add(r)
+    d = p.plan()  # prefill both: one step
+    assert d.decode_steps == 1 and [it.num_tokens for it in d.items] == [6, 3]
+    for it in d.items:
+        it.req.num_computed += it.num_tokens
+        it.req.output_ids.append(7)
+    d = p.plan()  # both decode: a window, pages for positions start .. start + 3
+    assert d.decode_steps == 4 and [(it.req.rid, it.start, it.num_tokens) for it in d.items] == [("a", 6, 1), ("b", 3, 1)]
+    assert len(a.pages) * PAGE >= 6 + 4 and len(b.pages) * PAGE >= 3 + 4
+    assert (len(a.pages), len(b.pages)) == (3, 2)
+    c = make_req("c", [50, 51])
+    p.add(c)  # a waiting request: one step (it is admitted now, a prefill item)
+    d = p.plan()
+    assert d.decode_steps == 1 and "c" in [it.req.rid for it in d.items]
+    p.remove(c)
+    a.output_ids += [7] * 30  # a at 37 of 40 positions: 3 left caps the window
+    a.num_computed = len(a.prompt_ids) + len(a.output_ids) - 1
+    d = p.plan()
+    assert d.decode_steps == 3
+    a.output_ids.append(7)
+    a.num_computed += 1  # 38 of 40: 2 left
+    assert p.plan().decode_steps == 2
+    a.output_ids.append(7)
+    a.num_computed += 1  # 39: 1 left, one step
+    assert p.plan().decode_steps == 1
+    a.multi_step = False
+    a.output_ids[-3:] = []
+    a.num_computed -= 3
+    assert p.plan().decode_steps == 1  # a request not allowed windows
+
+
+def test_a_window_without_the_pages_for_it_stays_one_step():
+    p = make_planner(num_pages=3, decode_window=8)  # 2 usable pages of 4 tokens
+    a = make_req("a", [1, 2, 3, 4, 5], max_new=30)
+    a.multi_step = True
+    p.add(a)
+    run_step(p)
+    d = p.plan()  # decoding at position 5 needs 5 + 8 = 13 positions: 4 pages
+    assert d.decode_steps == 1 and len(a.pages) == 2
