@@ -45,11 +45,18 @@ def test_unusable_api_key_is_a_usage_error(monkeypatch, capsys, key):
     (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1"),
     (["--admit-batch-size", "0"], "--admit-batch-size must be >= 1"),
     (["--admit-max-wait-steps", "-1"], "--admit-max-wait-steps must be >= 0"),
+    (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be in [1, 64]"),
+    (["--num-scheduler-steps", "65"], "--num-scheduler-steps must be in [1, 64]"),
 ])
 def test_limit_flags_out_of_range_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         ServerArgs.parse(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_num_scheduler_steps_defaults_to_one_step():
+    assert ServerArgs.parse([]).num_scheduler_steps == 1
+    assert ServerArgs.parse(["--num-scheduler-steps", "8"]).num_scheduler_steps == 8
 
 
 def test_zero_queue_is_allowed():
