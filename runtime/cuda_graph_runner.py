@@ -26,6 +26,10 @@ outside, all such runs in one index copy.
 
 ``prev_ids`` is the model runner's buffer of the previous step's sampled ids: an input of
 -1 is a token the host does not know yet (overlap scheduling), read there on the device.
+The graph ends by writing its rows' greedy ids (argmax of the logits, first index on ties,
+as ``sampling._choose``) into ``prev_ids``: a greedy multi-step window feeds them to its
+next step as they are (``ModelRunner._launch_window``); a step that samples otherwise
+overwrites its rows with its sampled ids before the next launch reads them.
 
 A step of B requests replays the smallest bucket Bg >= B. Rows B..Bg-1 are padding: they
 feed token 0 at position 0, write their K/V into slot 0 of the dummy page 0 (never handed
@@ -291,7 +295,10 @@ class CudaGraphRunner:
         self.seq_lens[:bs] = self.positions[:bs] + 1
         self.page_table[:bs] = self.req_pages[self.table_rows[:bs]]
         self.sink_slots[:bs] = self.sink_rows[:bs]
-        return self.model.compute_logits(self.model.forward(batch, self.pool), out=self.logits[:bs])
+        logits = self.model.compute_logits(self.model.forward(batch, self.pool), out=self.logits[:bs])
+        rows = min(bs, self.prev_ids.shape[0])
+        self.prev_ids[:rows] = logits[:rows].argmax(dim=-1)  # greedy ids (see the module docstring)
+        return logits
 
     def bucket(self, batch_size: int) -> int | None:
         """The smallest captured batch size >= ``batch_size`` (None if none is)."""
@@ -373,15 +380,13 @@ class CudaGraphRunner:
         later[:, 6:] = 0  # no page-table writes: step 0 applied the window's
         later[:, 0, :b] = -1  # every input is the previous step's sample of its row
         later[:, 3, :b] = np.arange(b)
-        first = np.asarray(positions)
-        offset, slot = first % size, np.asarray(slots)
-        for i in range(1, steps):
-            later[i - 1, 1, :b] = first + i
-            row = slot + i
-            for j in np.flatnonzero(offset + i >= size).tolist():  # crossed into a later page
-                pos = positions[j] + i
-                row[j] = page_tables[j][pos // size] * size + pos % size
-            later[i - 1, 2, :b] = row
+        ahead = np.arange(1, steps)[:, None]  # [steps - 1, 1]
+        later[:, 1, :b] = np.asarray(positions) + ahead
+        later[:, 2, :b] = np.asarray(slots) + ahead
+        crossed = (np.asarray(positions) % size + ahead) >= size  # into a later page: look it up
+        for i, j in np.argwhere(crossed).tolist():
+            pos = positions[j] + i + 1
+            later[i, 2, j] = page_tables[j][pos // size] * size + pos % size
         self.window_inputs[: steps - 1].copy_(staging[: steps - 1], non_blocking=True)
 
     def replay_next(self) -> torch.Tensor:

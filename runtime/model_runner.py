@@ -346,21 +346,27 @@ class ModelRunner:
         for the window; no item returns logprobs or has a grammar. The first step replays
         the decode graph, which stages every step's inputs in the same host-to-device copy,
         and each later step copies its inputs on the device and replays
-        (``CudaGraphRunner.replay_next``): per later step the host only launches the copy,
-        the graph, the sampling and two id copies. A batch no graph takes (CPU, eager) runs
-        each step as an ordinary decode pass reading its inputs from the last."""
+        (``CudaGraphRunner.replay_next``). A greedy batch (no penalty: none in a window)
+        takes the ids the graph wrote into ``_prev_ids`` as they are, so per later step the
+        host launches the input copy, the graph and one copy of the ids; otherwise it samples
+        and copies the ids there too. A batch no graph takes (CPU, eager) runs each step as
+        an ordinary decode pass reading its inputs from the last."""
         b, reqs = len(items), [it.req for it in items]
         sb, rows_of, _ = self._sampling_batch(reqs)
         window = self._window_ids
         logits, _, graph_reqs = self._logits(items, False, steps)
+        greedy = graph_reqs is not None and sb.all_greedy and not (sb.seen_ids.numel() or sb.output_ids.numel())
         for i in range(steps):
             if i:
                 if graph_reqs is not None:
                     logits = self.graph_runner.replay_next()
                 else:
                     logits, _, _ = self._logits([ScheduleItem(it.req, it.start + i, 1, True) for it in items], False)
-            ids = sample(logits[:b], sb, self.generator, want_logprobs=False).next_ids
-            self._prev_ids[:b].copy_(ids)  # the next step's inputs (and the next launch's)
+            if greedy:  # the graph's argmax rows, already the next step's inputs
+                ids = self._prev_ids[:b]
+            else:
+                ids = sample(logits[:b], sb, self.generator, want_logprobs=False).next_ids
+                self._prev_ids[:b].copy_(ids)  # the next step's inputs (and the next launch's)
             self._prev_rows = rows_of
             window[i, :b].copy_(ids)
         step = PendingStep(items, picks=list(range(b)), decode_steps=steps)

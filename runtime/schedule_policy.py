@@ -225,24 +225,30 @@ class BatchPlanner:
         """Make a pure decode plan a window of up to ``decode_window`` steps (module
         docstring), if every item's request may take one (``Req.multi_step``) and at least 2
         positions are left before the context length, with each request's pages grown to
-        cover the window. A request with fewer tokens left than the window (max_new_tokens)
-        computes a few it drops: capping the window at the shortest would make a large
-        batch, where some request nearly always ends soon, step one at a time. Grows without
+        cover the window. The window is no longer than the most tokens any request may
+        still take (max_new_tokens); a request with fewer left than the window computes a
+        few it drops: capping the window at the fewest would make a large batch, where some
+        request nearly always ends soon, step one at a time. Grows without
         preempting anyone (cached leaves may be evicted): where pages run short the plan
         stays one step (the pages grown so far serve the next steps)."""
         if decision.preempted or decision.out_of_memory or decision.swap_out or decision.swap_in:
             return
-        n, context = self.decode_window, self.context_length
+        n, context, wanted = self.decode_window, self.context_length, 0
         for it in decision.items:
             req = it.req
             if it.num_tokens != 1 or not it.samples or not req.multi_step:
                 return
-            if context is not None:
-                left = context - (len(req.prompt_ids) + len(req.output_ids) + req.num_inflight)
-                if left < n:
-                    if left < 2:
-                        return
-                    n = left
+            seq_len = len(req.prompt_ids) + len(req.output_ids) + req.num_inflight
+            if context is not None and context - seq_len < n:
+                if context - seq_len < 2:
+                    return
+                n = context - seq_len
+            left = req.sampling.max_new_tokens - (seq_len - len(req.prompt_ids))
+            if left > wanted:
+                wanted = left
+        n = min(n, wanted)  # no step that every request would drop
+        if n < 2:
+            return
         grow, page_size = self.cache.grow, self.page_size
         for it in decision.items:
             if len(it.req.pages) * page_size < it.start + n and not grow(it.req, it.start + n):

@@ -334,6 +334,10 @@ class Scheduler:
             tokens = res.window_ids
             decoded += len(tokens)
             stop_ids, out = req.fast_stop_ids, req.output_ids
+            if stop_ids is not None and len(out) + len(tokens) < req.output_limit and stop_ids.isdisjoint(tokens):
+                out.extend(tokens)  # the fast path's outcome for every token: none ends it
+                req.num_inflight -= len(tokens)
+                tokens = ()
             for token in tokens:
                 req.num_inflight -= 1
                 if stop_ids is None:

@@ -74,6 +74,7 @@ class EagerGraphs(CudaGraphRunner):
         assert batch.out_slots.tolist() == self.out_slots[:bs].tolist()  # the staged KV slots
         logits = self.model.compute_logits(self.model.forward(batch, self.pool), out=self.logits[:bs])
         assert logits.data_ptr() == self.logits.data_ptr()  # written into the shared buffer, as the graph's
+        self.prev_ids[:bs] = logits.argmax(dim=-1)  # the graph's greedy ids
         self.outputs[bs] = logits
 
 
@@ -218,7 +219,9 @@ def test_multi_step_windows_stream_the_single_step_tokens(runner: ModelRunner, m
     for overlap in (True, False):
         launches.clear()
         assert _stream(runner, 4, overlap, reqs(stop_id, stop)) == base
-        assert launches.count(4) >= 2 and set(launches) == {1, 4}  # b's max_new_tokens does not cut one
+        # b's max_new_tokens (6) cuts no window; the last is cut to the most any request may still
+        # take: a's last 2 (11 = 1 + 4 + 4 + 2), or c's 3 with overlap (its stop not read yet)
+        assert launches[:3] == [1, 4, 4] and launches[3:] == [3 if overlap else 2], launches
 
 
 def test_a_step_with_a_logprob_request_is_not_a_window(runner: ModelRunner, monkeypatch) -> None:
@@ -261,3 +264,23 @@ def test_an_abort_while_a_window_is_in_flight_frees_the_request_and_spares_the_r
     assert s.violations == [] and not s.has_work and "a" not in s.reqs
     assert s.allocator.num_free + s.cache.cached_pages == s.allocator.capacity
     assert b_ids == alone["ids"] and len(b_ids) == 10
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_sampled_window_feeds_its_sampled_ids(runner: ModelRunner, monkeypatch, graphs: bool) -> None:
+    """A window of a batch that is not all greedy samples each step and feeds those ids to
+    the next (not the graph's greedy ids): temperature 0.8 with top_k 1 samples the argmax,
+    so its tokens equal the greedy request's, one step at a time or in windows. (Only the
+    eager variant catches a window that feeds the graph's greedy ids instead: here they
+    are the sampled ones.)"""
+    if graphs:
+        monkeypatch.setattr(runner, "graph_runner", EagerGraphs(runner, max_bs=4))
+
+    def reqs(**sp) -> list[m.GenerateReq]:
+        return [m.GenerateReq(rid=rid, input_ids=ids, stream=True, sampling=m.SamplingParams(
+            max_new_tokens=9, ignore_eos=True, **sp)) for rid, ids in PROMPTS.items()]
+
+    greedy = _stream(runner, 1, True, reqs(temperature=0.0))
+    launches = _count_launches(runner, monkeypatch)
+    assert _stream(runner, 4, True, reqs(temperature=0.8, top_k=1)) == greedy
+    assert 4 in launches
