@@ -278,6 +278,7 @@ def test_replay_matches_eager_decode(tiny_hf_model: Callable, batch: int, kv: st
     src = [batch - 1 - b for b in range(batch)]
     got = runner.replay(host_ids, positions, tables_g, src, sink_slots=sinks)
     assert got.dtype == torch.float32 and got.shape == (batch, cfg.vocab_size)
+    assert prev[:batch].tolist() == got.argmax(dim=-1).tolist()  # the graph's greedy ids, for a greedy window
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for layer in range(cfg.num_hidden_layers):
         torch.testing.assert_close(pool_g.k[layer][1:].float(), pool_e.k[layer][1:].float(), atol=1e-6, rtol=0)
