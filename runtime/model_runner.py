@@ -142,10 +142,11 @@ class ModelRunner:
         self._host_ids = [torch.empty(args.max_running_requests, dtype=torch.int64, pin_memory=True)
                           for _ in range(2)] if cuda else []
         self._ready_turn = 0
-        # Multi-step windows (--num-scheduler-steps): each step's sampled ids [W, R] on the
-        # device, read back in one copy per window into pinned buffers used in turn as above.
+        # Multi-step windows (--num-scheduler-steps): a window's ids [steps, B] on the device,
+        # contiguous in a flat [W * R] buffer, read back in one copy per window into pinned
+        # buffers used in turn as above.
         self.max_decode_window = window = args.num_scheduler_steps  # the longest window launch() takes
-        self._window_ids = (torch.zeros((window, args.max_running_requests), dtype=torch.int64, device=self.device)
+        self._window_ids = (torch.zeros(window * args.max_running_requests, dtype=torch.int64, device=self.device)
                             if window > 1 else None)
         self._window_host = [torch.empty(window * args.max_running_requests, dtype=torch.int64, pin_memory=True)
                              for _ in range(2)] if cuda and window > 1 else []
@@ -353,7 +354,7 @@ class ModelRunner:
         an ordinary decode pass reading its inputs from the last."""
         b, reqs = len(items), [it.req for it in items]
         sb, rows_of, _ = self._sampling_batch(reqs)
-        window = self._window_ids
+        window = self._window_ids[: steps * b].view(steps, b)
         logits, _, graph_reqs = self._logits(items, False, steps)
         greedy = graph_reqs is not None and sb.all_greedy and not (sb.seen_ids.numel() or sb.output_ids.numel())
         for i in range(steps):
@@ -368,18 +369,18 @@ class ModelRunner:
                 ids = sample(logits[:b], sb, self.generator, want_logprobs=False).next_ids
                 self._prev_ids[:b].copy_(ids)  # the next step's inputs (and the next launch's)
             self._prev_rows = rows_of
-            window[i, :b].copy_(ids)
+            window[i].copy_(ids)
         step = PendingStep(items, picks=list(range(b)), decode_steps=steps)
-        ids = window[:steps, :b]
+        flat = self._window_ids[: steps * b]
         if self.device.type == "cuda":  # one copy to the host per window; wait in collect()
             self._ready_turn ^= 1
             host = self._window_host[self._ready_turn][: steps * b]
-            host.view(steps, b).copy_(ids, non_blocking=True)
+            host.copy_(flat, non_blocking=True)
             step.sampled = SampleResult(host, None)
             step.ready = self._ready_events[self._ready_turn]
             step.ready.record()
         else:
-            step.sampled = SampleResult(ids.reshape(-1).clone(), None)
+            step.sampled = SampleResult(flat.clone(), None)
         self._last_launch = step
         return step
 
