@@ -41,7 +41,8 @@ scheduling): a plan whose items all decode one token, every request allowed wind
 becomes a window of up to n decode steps (``ScheduleDecision.decode_steps``): each
 request's pages are grown for the n positions now, the model runner launches the n steps
 back to back, the scheduler reads the n tokens at once. A request that stops inside the
-window (a stop token or string, max_new_tokens) drops the tokens after its stop. Nothing
+window (a stop token or string, max_new_tokens) drops the tokens after its stop (and,
+with overlap scheduling, the next window's, launched before the stop was read). Nothing
 waiting: a window never holds back a request the plan could admit (one that arrives
 during it waits for its end).
 

@@ -83,6 +83,7 @@ class Scheduler:
         )
         self.overlap = not args.disable_overlap_schedule
         self.inflight: PendingStep | None = None  # launched, results not read yet
+        self._out_of_memory: list[Req] = []  # planned out of pages, finished after the step in flight
         self.stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids, runner.context_length)
         self.reqs: dict[str, Req] = {}
         self.outbox: list[m.ReqOutput] = []
@@ -197,9 +198,11 @@ class Scheduler:
             self._collect()
             collected = True
         decision = self.planner.plan()
-        for req in decision.out_of_memory:
-            req.finish("length", error="KV cache pool is full")
-            self._finish(req)
+        # Out of pages: finished once the step in flight is read, so the tokens it samples
+        # for them (a whole window's, with --num-scheduler-steps) are kept, not dropped.
+        self._out_of_memory = decision.out_of_memory
+        if self.inflight is None:
+            self._fail_out_of_memory()
         if decision.swap_out or decision.swap_in:
             self.runner.apply_swaps(decision)
         launched = None
@@ -213,12 +216,22 @@ class Scheduler:
         if self.inflight is not None:
             self._collect()
             collected = True
+        self._fail_out_of_memory()
         self.inflight = launched
         if launched is not None and not self.overlap:
             self._collect()
         if self.args.debug_invariants and (launched is not None or collected):
             self._debug_check("after step")
         return launched is not None or collected
+
+    def _fail_out_of_memory(self) -> None:
+        """Finish the requests the last plan found no pages for (the planner released them),
+        unless the tokens read since finished them."""
+        for req in self._out_of_memory:
+            if req.finish_reason is None:
+                req.finish("length", error="KV cache pool is full")
+                self._finish(req)
+        self._out_of_memory = []
 
     def _needs_tokens(self) -> bool:
         """True if a live request's next step may need its previous token on the host (a
@@ -262,7 +275,10 @@ class Scheduler:
         except Exception as exc:  # report and keep serving
             logger.exception("scheduler step failed; aborting %d requests", len(self.planner.running))
             self.inflight = None
-            for req in list(self.planner.running) + [r for r in self.planner.waiting if r.num_inflight]:
+            stranded = list(self.planner.running) + [r for r in self.planner.waiting if r.num_inflight]
+            stranded += [r for r in self._out_of_memory if r.finish_reason is None]
+            self._out_of_memory = []
+            for req in stranded:
                 req.finish("abort", error=f"internal error: {type(exc).__name__}: {exc}")
                 self._finish(req)
             return True
@@ -326,14 +342,18 @@ class Scheduler:
         through the per-token checks of a single step; a request that finishes inside the
         window drops the tokens after its finishing one. A streamed request gets one output
         of all its new tokens per window."""
-        decoded, interval = 0, self.args.stream_interval
-        for item, res in zip(step.items, results, strict=True):
+        counters, decoded, interval = self.counters, 0, self.args.stream_interval
+        for item, res, was_prefill in zip(step.items, results, step.was_prefill, strict=True):
             req = item.req
             if req.finish_reason is not None:  # finished or aborted after the window was launched
                 continue
-            tokens = res.window_ids
-            decoded += len(tokens)
-            stop_ids, out = req.fast_stop_ids, req.output_ids
+            tokens, out = res.window_ids, req.output_ids
+            known = len(out)
+            if was_prefill:  # its first step fed the prompt's last token (the rest was cached)
+                counters["prefill_computed"] += 1
+                if not out:
+                    counters["prefill_cached"] += req.cached_tokens
+            stop_ids = req.fast_stop_ids
             if stop_ids is not None and len(out) + len(tokens) < req.output_limit and stop_ids.isdisjoint(tokens):
                 out.extend(tokens)  # the fast path's outcome for every token: none ends it
                 req.num_inflight -= len(tokens)
@@ -350,11 +370,13 @@ class Scheduler:
                         req.finish("length")
                 if req.finish_reason is not None:
                     break
+            # Each token kept came from one step's input; those after a stop are not counted.
+            decoded += len(out) - known - was_prefill
             if req.finish_reason is not None:
                 self._finish(req)  # num_inflight 0: the tokens after the finishing one are dropped
             elif req.stream and len(out) - req.num_sent >= interval:
                 self._emit(req)
-        self.counters["decode"] += decoded
+        counters["decode"] += decoded
 
     def _append_token(self, req: Req, res: ItemResult) -> None:
         if req.sampling.max_new_tokens == 0:  # prompt scoring only

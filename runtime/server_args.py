@@ -195,11 +195,12 @@ class ServerArgs:
         "Multi-step decoding (vLLM's --num-scheduler-steps): while every running request "
         "decodes and none waits, one scheduler turn launches up to this many decode steps "
         "back to back (the sampled ids feed the next step on the device) and plans, reads and "
-        "streams once for all of them, so the scheduler's host time per decode step falls about "
-        "this many times. Costs: tokens stream this many at a time; a request that arrives "
-        "meanwhile waits for the window; one that stops early computes up to this many - 1 "
-        "tokens it discards. A step that holds a request with logprobs, a grammar, a penalty or "
-        "a seed, and int4 / mixed KV caches, run one step at a time. 1: off.",
+        "streams once for all of them, so the scheduler's host time per decode step falls (8B "
+        "at batch 64 on an H200: 2.5x with 8; BENCHMARKS.md). Costs: tokens stream this many at a time; a request that arrives "
+        "meanwhile waits for the window; one that stops early computes tokens it discards, up "
+        "to 2 x this many - 1 (with overlap scheduling the next window is launched before this "
+        "one's tokens are read). A step that holds a request with logprobs, a grammar, a penalty "
+        "or a seed, and int4 / mixed KV caches, run one step at a time. 1: off.",
     )
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
     radix_eviction_policy: str = _opt(

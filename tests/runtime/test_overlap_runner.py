@@ -3,6 +3,7 @@ launched before the host reads the token in flight, and nothing a request return
 
 from __future__ import annotations
 
+import random
 from functools import partial
 from types import SimpleNamespace
 
@@ -284,3 +285,52 @@ def test_a_sampled_window_feeds_its_sampled_ids(runner: ModelRunner, monkeypatch
     launches = _count_launches(runner, monkeypatch)
     assert _stream(runner, 4, True, reqs(temperature=0.8, top_k=1)) == greedy
     assert 4 in launches
+
+
+def test_a_request_out_of_pages_keeps_the_tokens_in_flight(runner: ModelRunner, monkeypatch) -> None:
+    """A lone request that outgrows the KV pool ends with "KV cache pool is full" after
+    exactly as many tokens with overlap and windows of 4 as when each step is read before
+    the next is planned: the tokens sampled by the step or window in flight when the plan
+    found no page (their KV fit) are kept, not dropped with it (before: 1 token with
+    overlap, a whole window with windows)."""
+    monkeypatch.setattr(runner, "num_pages", 12)  # the schedulers' allocators: 11 pages of 16 tokens
+    prompt = [1] + random.Random(7).choices(range(3, 40000), k=140)
+
+    def run(steps: int, overlap: bool) -> dict:
+        req = m.GenerateReq(rid="big", input_ids=prompt, sampling=m.SamplingParams(
+            max_new_tokens=200, temperature=0.0, ignore_eos=True))
+        return _stream(runner, steps, overlap, [req])["big"]
+
+    want = run(1, False)
+    assert want["finish"] == "length" and len(want["ids"]) == 11 * 16 - 141 + 1
+    for steps, overlap in ((1, True), (4, True), (4, False)):
+        assert run(steps, overlap) == want, (steps, overlap)
+
+
+def test_windows_count_prefill_and_decode_tokens_as_single_steps_do(runner: ModelRunner) -> None:
+    """The scheduler's token counters (the server's prefill / cached / decode token
+    metrics) are the same with windows of 4 as one step at a time: a request whose prompt
+    is cached but for its last token decodes in windows from its first step (one prefill
+    token, 16 cached), and the tokens a window computes after a stop are not counted."""
+    prompt = PROMPTS["b"] + list(range(100, 108))  # 17 tokens: the first page is cached the second time
+
+    def run(steps: int, overlap: bool, stop: int | None = None) -> tuple[dict, list[int]]:
+        s = Scheduler(ServerArgs(model_path="unused", num_scheduler_steps=steps, disable_overlap_schedule=not overlap,
+                                 debug_invariants=True), runner)
+        ids: list[int] = []
+        for rid, extra in (("first", {}), ("again", {}), ("stopped", {"stop_token_ids": (stop,)} if stop else {})):
+            s.handle(m.GenerateReq(rid=rid, input_ids=prompt, sampling=m.SamplingParams(
+                max_new_tokens=10, temperature=0.0, ignore_eos=True, **extra)))
+            while s.has_work:
+                s._safe_step()
+                out = s.take_outputs()
+                ids += [t for o in (out.outputs if out else []) if o.rid == "first" for t in o.new_token_ids]
+        assert s.violations == []
+        return {k: s.counters[k] for k in ("prefill_computed", "prefill_cached", "decode")}, ids
+
+    _, ids = run(1, False)
+    stop = ids[3]  # the third request stops at its 4th token (unless the same id came earlier)
+    want, _ = run(1, False, stop)
+    assert want["prefill_cached"] == 16 + 16 and want["prefill_computed"] == 17 + 1 + 1
+    for steps, overlap in ((1, True), (4, True), (4, False)):
+        assert run(steps, overlap, stop)[0] == want, (steps, overlap)
