@@ -313,6 +313,15 @@ class ChatCompletionRequest(_OpenAIBase):
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_depth(cls, v: Any) -> Any:
+        """A 400 naming ``tools`` for tools nested too deep to render (the chat template's
+        recursion failed, and the 400 named ``messages``)."""
+        if isinstance(v, list):
+            check_json_depth(v, "tools")
+        return v
+
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:

@@ -60,6 +60,20 @@ def _check_unicode(text: str, field_name: str) -> None:
                              field_name) from exc
 
 
+def _check_unicode_in(value: object, field_name: str) -> None:
+    """``_check_unicode`` on every string inside ``value`` (decoded JSON: dicts, lists)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            _check_unicode(node, field_name)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+
+
 def _clip(text: str) -> str:
     """``text`` cut to LOG_TEXT_CHARS characters for the log."""
     if len(text) <= LOG_TEXT_CHARS:
@@ -272,6 +286,8 @@ class TokenizerManager:
                             tools: list[dict] | None = None) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
+        _check_unicode_in(messages, "messages")  # else the tokenizer's own TypeError text
+        _check_unicode_in(tools, "tools")
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt,

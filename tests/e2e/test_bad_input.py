@@ -568,7 +568,8 @@ def test_c10_wrong_method_and_unknown_route_are_json_errors(server, idle_invaria
 
 def test_lone_surrogates_are_400_not_500(server, idle_invariants):
     """JSON escapes like "\\ud800" decode to lone UTF-16 surrogates, which are not valid
-    Unicode text: every field that carries text gets a 400 naming it, streams included."""
+    Unicode text: every field that carries text gets a 400 naming it, streams included
+    (chat messages and tools too: they got the tokenizer's own TypeError text before)."""
     pid = _scheduler_pid(server)
     cases = [
         ("/generate", b'{"text":"\\ud800abc","sampling_params":{"max_new_tokens":2}}', "text"),
@@ -580,6 +581,10 @@ def test_lone_surrogates_are_400_not_500(server, idle_invariants):
          "prompt"),
         ("/v1/completions", b'{"model":"' + MODEL.encode() + b'","prompt":"hi","max_tokens":2,"stop":"\\ud800",'
          b'"stream":true}', "stop"),
+        ("/v1/chat/completions", b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":'
+         b'"\\ud800"}],"max_tokens":2}', "messages"),
+        ("/v1/chat/completions", b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":"hi"}],'
+         b'"tools":[{"type":"function","function":{"name":"f","description":"\\udc00"}}],"max_tokens":2}', "tools"),
     ]
     with server.client() as c:
         for path, body, param in cases:
@@ -593,8 +598,8 @@ def test_deep_nesting_and_huge_integers_are_400_with_the_fields_message(server, 
     """JSON schemas nested near Python's recursion limit (json.dumps raised RecursionError:
     a 500), a stop regex of thousands of nested groups, infinite or NaN sampling floats
     (an infinite temperature was served), and integers beyond 64 bits, which the body
-    parser must read as integers (orjson makes them floats): each a 400 naming its field,
-    with pydantic's range message."""
+    parser must read as integers (orjson makes them floats), and chat tools nested as deep
+    (their 400 named ``messages``): each a 400 naming its field, with pydantic's range message."""
     pid = _scheduler_pid(server)
     deep = b'{"a":' * 1000 + b"1" + b"}" * 1000
     nested_text = json.dumps("[" * 980 + "]" * 980).encode()
@@ -615,6 +620,8 @@ def test_deep_nesting_and_huge_integers_are_400_with_the_fields_message(server, 
            "finite number") for v in (b"Infinity", b"NaN", b"1e400")],
         ("/v1/chat/completions", b'{"model":' + model + b',"messages":[{"role":"user","content":"hi"}],'
          b'"top_p":NaN}', "top_p", "finite number"),
+        ("/v1/chat/completions", b'{"model":' + model + b',"messages":[{"role":"user","content":"hi"}],'
+         b'"tools":[' + deep + b"]}", "tools", "nested deeper"),
         ("/generate", b'{"text":"hi","sampling_params":{"seed":18446744073709551616}}', "sampling_params.seed",
          "less than or equal to 9223372036854775807"),
         ("/v1/completions", b'{"model":' + model + b',"prompt":"hi","seed":-9223372036854775809}', "seed",
