@@ -313,17 +313,7 @@ class Scheduler:
                 counters["prefill_cached"] += req.cached_tokens
             token = res.next_id
             if token is not None:
-                req.num_inflight -= 1
-                stop_ids = req.fast_stop_ids
-                if stop_ids is None:
-                    self._append_token(req, res)
-                else:  # _append_token's outcome for such a request, without its checks
-                    out = req.output_ids
-                    out.append(token)
-                    if token in stop_ids:
-                        req.finish("stop", token)
-                    elif len(out) >= req.output_limit:
-                        req.finish("length")
+                self._take_token(req, token, res)
             if req.finish_reason is not None:
                 self._finish(req)
             elif req.stream and len(req.output_ids) - req.num_sent >= interval:
@@ -359,15 +349,7 @@ class Scheduler:
                 req.num_inflight -= len(tokens)
                 tokens = ()
             for token in tokens:
-                req.num_inflight -= 1
-                if stop_ids is None:
-                    self._append_token(req, ItemResult(token))
-                else:  # _append_token's outcome, as in _process_results
-                    out.append(token)
-                    if token in stop_ids:
-                        req.finish("stop", token)
-                    elif len(out) >= req.output_limit:
-                        req.finish("length")
+                self._take_token(req, token)
                 if req.finish_reason is not None:
                     break
             # Each token kept came from one step's input; those after a stop are not counted.
@@ -377,6 +359,22 @@ class Scheduler:
             elif req.stream and len(out) - req.num_sent >= interval:
                 self._emit(req)
         counters["decode"] += decoded
+
+    def _take_token(self, req: Req, token: int, res: ItemResult | None = None) -> None:
+        """A token read back for ``req`` (one of its tokens in flight): appended and checked
+        (``res``: its logprobs, if any). A request on the fast path (``Req.fast_stop_ids``)
+        gets ``_append_token``'s outcome without its checks."""
+        req.num_inflight -= 1
+        stop_ids = req.fast_stop_ids
+        if stop_ids is None:
+            self._append_token(req, res if res is not None else ItemResult(token))
+            return
+        out = req.output_ids
+        out.append(token)
+        if token in stop_ids:
+            req.finish("stop", token)
+        elif len(out) >= req.output_limit:
+            req.finish("length")
 
     def _append_token(self, req: Req, res: ItemResult) -> None:
         if req.sampling.max_new_tokens == 0:  # prompt scoring only
