@@ -17,6 +17,15 @@ bucket, with host and wait shares; ``steps.csv`` holds every step.
         --dataset-path .gpu_data/sharegpt_subset.jsonl --server-args "--max-running-requests 1024 \\
         --max-prefill-tokens 16384" --out $OUT
 
+``--variant TAG=FLAGS`` (repeatable) runs the prompts once per variant, in order, each with
+a fresh ``Scheduler`` (its own KV allocator and radix tree: nothing cached from the run
+before) over the same ``ModelRunner``; FLAGS are added to ``--server-args`` and may only
+change the scheduler's flags (``--schedule-policy``, ``--max-prefill-tokens``, ...): the
+runner (CUDA graphs, pool) is built once from ``--server-args``, except that
+``--piecewise-cuda-graph-max-tokens 0`` in FLAGS runs that variant without the runner's
+piecewise graphs. A variant may repeat (a
+warm-up, a rerun). Without ``--variant`` one run of ``--server-args``.
+
 On the CPU (``GPU_E2E_DEVICE=cpu``) use a tiny shape and few prompts (a dry run).
 """
 
@@ -27,6 +36,7 @@ import csv
 import gc
 import itertools
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -72,8 +82,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1, help="as gpu_serving.py's (the same prompts)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="skip the scheduler's start-up gc.freeze (freeze_startup_objects), for an A/B")
+    ap.add_argument("--variant", action="append", default=[], metavar="TAG=FLAGS",
+                    help="a run with --server-args + FLAGS (scheduler flags only; module docstring)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the runner's start-up lines
 
     from transformers import AutoTokenizer
 
@@ -81,21 +94,56 @@ def main() -> None:
     requests = sharegpt_requests(list(iter_records(args.dataset_path)), tokenizer, args.num_prompts, args.seed)
     model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16")
     del model
-    server = ServerArgs.parse(["--model-path", str(model_dir), "--device", DEVICE, *args.server_args.split()])
-    runner = ModelRunner(server)
-    sched = Scheduler(server, runner)
-    msgs = [m.GenerateReq(rid=f"r{i}", input_ids=tokenizer.encode(r.prompt), stream=True,
-                          sampling=m.SamplingParams(max_new_tokens=r.output_len, ignore_eos=True))
-            for i, r in enumerate(requests)]
+    base = ["--model-path", str(model_dir), "--device", DEVICE, *args.server_args.split()]
+    runner = ModelRunner(ServerArgs.parse(base))
+    prompts = [tokenizer.encode(r.prompt) for r in requests]
+    variants = [v.partition("=")[::2] for v in args.variant] or [("", "")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    for i, (tag, flags) in enumerate(variants):
+        server = ServerArgs.parse([*base, *flags.split()])
+        msgs = [m.GenerateReq(rid=f"r{k}", input_ids=ids, stream=True,
+                              sampling=m.SamplingParams(max_new_tokens=r.output_len, ignore_eos=True))
+                for k, (ids, r) in enumerate(zip(prompts, requests, strict=True))]
+        pieces = runner.piecewise
+        if not server.piecewise_cuda_graph_max_tokens:  # this run without the runner's piecewise graphs
+            runner.piecewise = None
+        try:
+            summary, rows = trace(Scheduler(server, runner), msgs, args.no_gc_freeze)
+        finally:
+            runner.piecewise = pieces
+        summary = {"device": DEVICE, "shape": args.shape, "server_args": " ".join(base[4:]) + " " + flags,
+                   "variant": tag, "order": i, "num_prompts": args.num_prompts, **summary}
+        name = (tag or "_".join(args.server_args.replace("--", "").split()) or "default") + (
+            "_nogcfreeze" if args.no_gc_freeze else "")
+        if tag and [t for t, _ in variants[:i]].count(tag):
+            name += f"_run{[t for t, _ in variants[:i]].count(tag) + 1}"
+        (args.out / f"offline_trace_{name}.json").write_text(json.dumps(summary, indent=1))
+        with open(args.out / f"offline_trace_{name}_steps.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print(json.dumps(summary, indent=1) if len(variants) == 1 else
+              f"{name}: {summary['duration_s']} s, {summary['output_throughput']} tok/s, "
+              f"{summary['prefill_steps']['steps']} prefill-carrying + {summary['decode_steps']['steps']} decode steps",
+              flush=True)
+
+
+def trace(sched: Scheduler, msgs: list, no_gc_freeze: bool) -> tuple[dict, list[dict]]:
+    """Hand ``msgs`` to ``sched`` at once and step it to the end, timing every step:
+    (the summary's timing part, the per-step rows)."""
+    runner = sched.runner
     input_tokens = sum(len(g.input_ids) for g in msgs)
 
     rows, counters = [], sched.counters
+    wrapped = []
     phase_s = {name: 0.0 for name in PHASES}
     for name in PHASES:  # host seconds per step in each phase (no device sync added)
         owner = {"planner": sched.planner, "runner": runner, "model": runner.model,
                  "graphs": runner.graph_runner, "scheduler": sched}[name.split(".")[0]]
         if owner is not None:
-            setattr(owner, name.split(".")[1], timed(getattr(owner, name.split(".")[1]), phase_s, name))
+            attr = name.split(".")[1]
+            wrapped.append((owner, attr, owner.__dict__.get(attr)))
+            setattr(owner, attr, timed(getattr(owner, attr), phase_s, name))
     gc_s, gc_n, gc_t0 = [0.0, 0.0, 0.0], [0, 0, 0], [0.0]
 
     def on_gc(phase: str, info: dict) -> None:  # time every collection, by generation
@@ -106,7 +154,7 @@ def main() -> None:
             gc_n[info["generation"]] += 1
 
     gc.callbacks.append(on_gc)
-    if not args.no_gc_freeze:
+    if not no_gc_freeze:
         freeze_startup_objects()  # as serve_scheduler does
     mem0 = torch.cuda.memory_stats() if DEVICE == "cuda" else {}
     start = time.perf_counter()
@@ -133,6 +181,11 @@ def main() -> None:
                          "gc_s": sum(gc_s) - gc_before, **phase_s})
     total = time.perf_counter() - start
     gc.callbacks.remove(on_gc)
+    for owner, attr, own in wrapped:  # the runner outlives this scheduler: unwrap
+        if own is None:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, own)
     mem1 = torch.cuda.memory_stats() if DEVICE == "cuda" else {}
     mem = {k: mem1.get(k, 0) - mem0.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams",
                                                       "num_device_alloc", "num_device_free")}
@@ -150,7 +203,6 @@ def main() -> None:
         if sel:
             buckets[f"{lo}-{hi - 1}"] = part(sel)
     summary = {
-        "device": DEVICE, "shape": args.shape, "server_args": args.server_args, "num_prompts": args.num_prompts,
         "date": time.strftime("%Y-%m-%d %H:%M"), "duration_s": round(total, 3),
         "input_tokens": input_tokens, "output_tokens": out_tokens,
         "output_throughput": round(out_tokens / total, 1),
@@ -160,14 +212,7 @@ def main() -> None:
                "tracked_objects_at_end": len(gc.get_objects())},
         "cuda_allocator": mem,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = ("_".join(args.server_args.replace("--", "").split()) or "default") + ("_nogcfreeze" if args.no_gc_freeze else "")
-    (args.out / f"offline_trace_{tag}.json").write_text(json.dumps(summary, indent=1))
-    with open(args.out / f"offline_trace_{tag}_steps.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(json.dumps(summary, indent=1))
+    return summary, rows
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Dimension letters: T new tokens in the pass, H query heads, K kv heads, D head d
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,12 @@ __all__ = [
     "attention_backend_choices",
     "create_attention_backend",
 ]
+
+
+# Fewest leading decode rows for which a mixed pass splits its attention (``_split_mixed``):
+# the second launch costs ~0.1-0.15 ms of host time per layer, which a few decode rows do
+# not repay (8B on an H100, BENCHMARKS.md: ~250 decode rows gained ~12 ms a step, <50 lost ~2).
+MIXED_SPLIT_MIN_DECODES = 64
 
 
 class AttentionBackend(ABC):
@@ -158,9 +165,11 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_splits: int | None = 1
         self._max_seq = 0
         self._workspace: Any = None
+        self._mixed: _MixedSplit | None = None  # a mixed pass's two launches (prepare)
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
         self._workspace = None
+        self._mixed = None
         max_seq = max(
             p + e for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True)
         )
@@ -171,6 +180,29 @@ class TritonAttentionBackend(AttentionBackend):
             self._num_splits = self._decode.decode_num_splits(
                 batch.batch_size, pool.num_kv_heads, max_seq, self.device, config
             )
+        else:
+            self._mixed = self._split_mixed(batch, pool)
+
+    def _split_mixed(self, batch: ForwardBatch, pool: KVPool) -> _MixedSplit | None:
+        """A mixed pass whose first d requests decode one token each (the planner schedules
+        running requests first) and whose others extend: their attention as two launches,
+        the decode kernel over the d rows and the extend kernel over the rest. The extend
+        kernel's programs are per query head and BLOCK_M rows, so a decode row there reads
+        its keys once per head of its group and computes a mostly empty tile: a step of
+        ~250 decodes and one prefill chunk took ~3x the time of the decode step alone (8B
+        on an H100, BENCHMARKS.md). None (one extend launch) for float pools only: FP8 / INT4
+        pools and pools with an attention sink keep the one launch."""
+        lens = batch.extend_lens_cpu
+        d = 0
+        while d < len(lens) and lens[d] == 1:
+            d += 1
+        if d < MIXED_SPLIT_MIN_DECODES or pool.quantised or pool.tiered or pool.has_sink:
+            return None
+        dec_seq = max(batch.prefix_lens_cpu[:d]) + 1
+        config = self._decode.default_decode_config(pool.dtype, False, d)
+        splits = self._decode.decode_num_splits(d, pool.num_kv_heads, dec_seq, self.device, config)
+        ext_seq = max(p + e for p, e in zip(batch.prefix_lens_cpu[d:], lens[d:], strict=True))
+        return _MixedSplit(d, splits, batch.cu_extend[d:] - d, max(lens[d:]), ext_seq)
 
     def _scratch(self, rows: int, num_heads: int, head_dim: int) -> Any:
         """The [rows, H, N, D] split scratch of this pass (None when N = 1)."""
@@ -208,6 +240,8 @@ class TritonAttentionBackend(AttentionBackend):
         if not pool.quantised:
             q = q.to(k_pool.dtype)
         scale = q.shape[-1] ** -0.5
+        if self._mixed is not None:
+            return self._forward_mixed(q, k_pool, v_pool, batch, pool, scale)
         if self._num_splits is None:
             self._num_splits = self._extend_mod.extend_num_splits(
                 batch.batch_size, q.shape[1], pool.num_kv_heads, max(batch.extend_lens_cpu),
@@ -226,6 +260,44 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
             tiered=tiered, v_mean=pool.v_mean[layer_id], sink=sink,
         )  # fmt: skip
+
+    def _forward_mixed(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
+                       pool: KVPool, scale: float) -> torch.Tensor:
+        """``forward``'s attention for a ``_split_mixed`` pass: the decode rows :d, then the
+        extend rows, into one [T, H, D] output."""
+        mixed = self._mixed
+        d, (rows, heads, head_dim) = mixed.decode_rows, q.shape
+        if mixed.ext_splits is None:  # first layer: it knows the query heads
+            mixed.ext_splits = self._extend_mod.extend_num_splits(
+                batch.batch_size - d, heads, pool.num_kv_heads, mixed.max_extend, mixed.ext_seq, self.device)
+            if mixed.dec_splits > 1:
+                mixed.dec_work = self._decode.DecodeWorkspace.allocate(d, heads, mixed.dec_splits, head_dim,
+                                                                       self.device)  # fmt: skip
+            if mixed.ext_splits > 1:
+                mixed.ext_work = self._decode.DecodeWorkspace.allocate(rows - d, heads, mixed.ext_splits, head_dim,
+                                                                       self.device)  # fmt: skip
+        out = torch.empty_like(q)
+        self._decode.decode_attention(
+            q[:d], k_pool, v_pool, batch.page_table[:d], batch.seq_lens[:d], scale, num_splits=mixed.dec_splits,
+            out=out[:d], workspace=mixed.dec_work)  # fmt: skip
+        self._extend_mod.extend_attention(
+            q[d:], k_pool, v_pool, batch.page_table[d:], mixed.cu_extend, batch.prefix_lens[d:], scale,
+            max_extend_len=mixed.max_extend, out=out[d:], num_splits=mixed.ext_splits, workspace=mixed.ext_work)
+        return out
+
+
+@dataclass(slots=True)
+class _MixedSplit:
+    """A mixed pass's two attention launches (``TritonAttentionBackend._split_mixed``)."""
+
+    decode_rows: int  # d: requests (and rows) 0..d-1 decode one token each
+    dec_splits: int  # the decode kernel's split count for them
+    cu_extend: torch.Tensor  # [B - d + 1] int32, the extend requests' cumulative lengths from 0
+    max_extend: int
+    ext_seq: int  # longest extend request's sequence (host)
+    ext_splits: int | None = None  # set by the first layer
+    dec_work: Any = None
+    ext_work: Any = None
 
 
 def _sink(k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool

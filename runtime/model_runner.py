@@ -39,6 +39,7 @@ from radixlm.runtime.kv_calibration import (
 )
 from radixlm.runtime.memory_pool import TIERED_KV, KVPool, kv_page_bytes, tiered_fp8_pages
 from radixlm.runtime.model_loader import load_model, resolve_dtype, resolve_model_path
+from radixlm.runtime.piecewise_cuda_graph import PiecewiseGraphs, pool_fits
 from radixlm.runtime.preemption import DEVICE_RATES, SwapCostModel
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling import (
@@ -154,6 +155,7 @@ class ModelRunner:
         self._sampling_cache: tuple[tuple[Req, ...], tuple[SamplingBatch, dict[Req, int], bool]] | None = None
         self._sink_claims: list[int] = []  # first tokens whose sink slots the last prepare() claimed
         self.graph_runner = self._make_graph_runner()
+        self.piecewise = self._make_piecewise()
         self._warm_up_split_extend()
 
     def _warm_up_split_extend(self) -> None:
@@ -184,6 +186,14 @@ class ModelRunner:
         return CudaGraphRunner(self.model, self.pool, max_bs, max_pages, self._prev_ids,
                                max_extend_tokens=max_extend if max_extend >= 2 else 0,
                                max_window=args.num_scheduler_steps)
+
+    def _make_piecewise(self) -> PiecewiseGraphs | None:
+        """Piecewise CUDA graphs for the other steps, where the decode graphs run and the pool
+        fits (``pool_fits``: float pages in the model dtype), unless their flag is 0."""
+        tokens = self.args.piecewise_cuda_graph_max_tokens
+        if self.graph_runner is None or not tokens or not pool_fits(self.pool, self.dtype):
+            return None
+        return PiecewiseGraphs(self.model, self.pool, tokens)
 
     def _kv_scales(self) -> KVScales | tuple[None, None]:
         """FP8 KV scales [L, K] and channel means [L, K, D] from --kv-scales-path or a
@@ -329,7 +339,11 @@ class ModelRunner:
                 src = to_device(torch.tensor([r for _, r in inflight]), self.device)
                 batch.input_ids[flat] = self._prev_ids[src]
             try:
-                hidden = self.model.forward(batch, self.pool)
+                pieces = self.piecewise
+                if pieces is not None and batch.num_tokens <= pieces.max_tokens and batch.sink_slots is None:
+                    hidden = pieces.forward(batch)
+                else:
+                    hidden = self.model.forward(batch, self.pool)
             except BaseException:
                 self.pool.unclaim_sinks(self._sink_claims)  # never written: no request may read them
                 raise

@@ -3,11 +3,18 @@
 One rule covers prefill, chunked prefill, prefix hits and decode (token-budget
 scheduling): every request advances its computed-token count toward ``seq_len``, under a
 per-step budget of ``max_prefill_tokens`` tokens and ``chunked_prefill_size`` tokens per
-request. Running requests go first (oldest first; a decoding request needs 1 token),
-then waiting requests are admitted in the order of the schedule policy
-(runtime/waiting_order.py: ``fcfs``, ``lpm``, ``dfs-weight``, with a starvation guard)
-while budget, request slots and pages last; admission stops at the first request that
-must wait for pages.
+request. Running requests go first (oldest first; a decoding request needs 1 token, which
+the budget never cuts: decode tokens count against it, so the budget bounds the tokens a
+step adds on top of its decodes), then waiting requests are admitted in the order of the
+schedule policy (runtime/waiting_order.py: ``fcfs``, ``lpm``, ``dfs-weight``, ``lof``, with
+a starvation guard) while budget, request slots and pages last; admission stops at the
+first request that must wait for pages.
+
+A budget below the running batch (``max_prefill_tokens`` < ``max_running_requests``)
+paces admission for offline throughput: prompt tokens enter a step only while its
+decodes leave room, so the work of a large offline batch spreads over the steps that its
+longest reply needs anyway (with ``lof``, the longest replies start first) instead of a
+few huge prefill steps followed by a long tail of small decode steps (BENCHMARKS.md).
 
 Out of pages: unlocked radix leaves are evicted first (inside PrefixCache.alloc); if that
 is not enough a running request chosen by the preemption policy (runtime/preemption.py:
@@ -283,7 +290,8 @@ class BatchPlanner:
 
     def _schedule_running(self, decision: ScheduleDecision, budget: int) -> int:
         """Schedule every running request's next chunk (one token while decoding), oldest
-        first, growing pages or preempting for it; returns the token budget left. A request
+        first, growing pages or preempting for it; returns the token budget left (negative
+        when the decode tokens alone pass it: they are never cut, chunks are). A request
         whose token in flight is sure to be its last (max_new_tokens or the context length
         reached) gets no step past it. Runs once per step over the whole batch: the hot loop
         of the planner, so it reads each request's fields once (``_chunk`` / ``_schedule``
@@ -301,10 +309,10 @@ class BatchPlanner:
             n = seq_len - start  # min(seq_len - start, chunk, budget), without the call
             if n > chunk:
                 n = chunk
-            if n > budget:
+            if n > budget and n > 1:  # a decode token is never cut (the budget may go negative)
                 n = budget
-            if n <= 0:
-                continue
+                if n <= 0:
+                    continue
             end = start + n
             if len(req.pages) * page_size < end and not self._grow_or_preempt(req, end, decision):
                 continue

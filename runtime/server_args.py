@@ -126,7 +126,12 @@ class ServerArgs:
         2048, "Most prompt tokens computed for one request in one step (chunked prefill)."
     )
     max_prefill_tokens: int = _opt(
-        4096, "Per-step token budget: new prompt tokens + decode tokens in one forward pass."
+        4096,
+        "Per-step token budget: new prompt tokens + decode tokens in one forward pass. Decode "
+        "tokens are never cut by it: below --max-running-requests it paces admission (prompt "
+        "tokens enter a step only while its decodes leave room), which with --schedule-policy "
+        "lof spreads an offline batch's work over the steps its longest reply needs "
+        "(BENCHMARKS.md).",
     )
     max_running_requests: int = _opt(64, "Most requests decoding at the same time.")
     preemption_policy: str = _opt(
@@ -225,6 +230,12 @@ class ServerArgs:
         "rest of a prompt whose prefix is cached) replays a CUDA graph, padded to the next captured "
         "length (powers of two from 16); 0: such steps run eagerly. At most 512."
     )
+    piecewise_cuda_graph_max_tokens: int = _opt(
+        1024, "A step the decode and extend graphs do not take (prefill chunks, decodes mixed with "
+        "prefill) of up to this many tokens replays piecewise CUDA graphs: one per layer gap, per "
+        "token bucket, with each layer's attention launched eagerly between them "
+        "(runtime/piecewise_cuda_graph.py; float KV caches only). 0: such steps run eagerly."
+    )
     random_seed: int = _opt(0, "Seed for requests without their own seed.")
     log_level: str = _opt("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_requests: bool = _opt(
@@ -316,8 +327,8 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("--chunked-prefill-size must be >= --page-size")
-        if self.max_prefill_tokens < self.max_running_requests:
-            raise ValueError("--max-prefill-tokens must be >= --max-running-requests")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("--max-prefill-tokens must be >= 1")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.schedule_max_wait_s < 0:
@@ -343,6 +354,8 @@ class ServerArgs:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
         if not 0 <= self.cuda_graph_max_extend_tokens <= 512 or self.cuda_graph_max_extend_tokens == 1:
             raise ValueError("--cuda-graph-max-extend-tokens must be 0 (off) or in 2..512")
+        if not (self.piecewise_cuda_graph_max_tokens == 0 or 16 <= self.piecewise_cuda_graph_max_tokens <= 8192):
+            raise ValueError("--piecewise-cuda-graph-max-tokens must be 0 (off) or in 16..8192")
         self.importance_weight_values()  # raises on a malformed list
         if not 0.0 <= self.decode_reserve_min_ratio <= self.decode_reserve_ratio:
             raise ValueError("need 0 <= --decode-reserve-min-ratio <= --decode-reserve-ratio")

@@ -167,21 +167,27 @@ class LlamaAttention(nn.Module):
         """``forward`` after the QKV projection: qkv [T, (H + 2K) * D] -> [T, E].
         ``kv_stored``: the projection already applied RoPE and wrote K / V into the pool
         (``rope_store``)."""
-        num_tokens = qkv.shape[0]
         fused = cos is None
-        q, k, v = qkv.split(self.split_sizes, dim=-1)  # [T, H*D], [T, K*D] x2
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        q, k, v = self.heads(qkv)
         # Quantised pools store keys rotated (KVPool doc, "Key rotation"): the fused RoPE
         # kernel applies the rotation in the same launch, the PyTorch path after RoPE.
         if cos is None and not kv_stored:
-            _fused_ops().rotary_embedding_(q, k, batch.positions, self.rotary[0].inv_freq(q.device),
-                                           pool.qk_rotation)  # fmt: skip
+            self.rope_(q, k, batch.positions, pool)
         elif cos is not None:
             q, k = pool.rotate_qk(apply_rope(q, cos, sin), apply_rope(k, cos, sin))
         o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool, kv_stored=kv_stored)  # [T, H, D]
-        return _linear(self.o_proj, o.reshape(num_tokens, -1), fused)  # [T, H*D] -> [T, E]
+        return _linear(self.o_proj, o.reshape(qkv.shape[0], -1), fused)  # [T, H*D] -> [T, E]
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (H + 2K) * D] -> views q [T, H, D], k [T, K, D], v [T, K, D]."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)  # [T, H*D], [T, K*D] x2
+        return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))  # fmt: skip
+
+    def rope_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, pool: KVPool) -> None:
+        """The fused RoPE kernel (and the pool's key rotation) on q / k in place; positions [T] int64."""
+        _fused_ops().rotary_embedding_(q, k, positions, self.rotary[0].inv_freq(q.device), pool.qk_rotation)
 
     def rope_store(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> Any:
         """The QKV GEMV's RoPE + KV-write epilogue (``kernels.gemv.RopeStore``) for this
@@ -253,8 +259,25 @@ class LlamaDecoderLayer(nn.Module):
         (x, residual) -> (this layer's MLP output, residual so far); the sum of the two is
         what ``forward`` returns. ``residual`` None at the first layer."""
         rope = self.self_attn.rope_store(x, batch, pool)
-        qkv, residual = _norm_linear(self.self_attn.qkv_proj, x, residual, self.input_layernorm, rope)
+        qkv, residual = self.qkv_fused(x, residual, rope)
         h = self.self_attn.attend(qkv, None, None, batch, pool, kv_stored=rope is not None)
+        return self.mlp_fused(h, residual)
+
+    def qkv_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope_store: Any = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused layer up to its attention: (x, residual) [T, E] -> (qkv [T, (H + 2K) * D]
+        before RoPE unless ``rope_store`` (``_norm_linear``), residual so far); ``residual``
+        None at the first layer."""
+        return _norm_linear(self.self_attn.qkv_proj, x, residual, self.input_layernorm, rope_store)
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused layer after its attention: (o [T, H * D], residual [T, E]) -> (the MLP
+        output, residual so far): the output projection, then ``mlp_fused``."""
+        return self.mlp_fused(_linear(self.self_attn.o_proj, o, True), residual)
+
+    def mlp_fused(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused layer after its attention's output projection: (h, residual) [T, E] ->
+        (the MLP output, residual so far)."""
         gate_up, residual = _norm_linear(self.mlp.gate_up_proj, h, residual, self.post_attention_layernorm)
         return self.mlp.down(gate_up), residual
 

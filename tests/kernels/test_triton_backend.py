@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from radixlm.kernels import reference  # noqa: E402
+from radixlm.runtime import attention  # noqa: E402
 from radixlm.runtime.attention import (  # noqa: E402
     TorchAttentionBackend,
     TritonAttentionBackend,
@@ -139,6 +140,37 @@ def test_triton_backend_split_extend_over_a_long_prefix() -> None:
     # 4 SMs under the interpreter; on a GPU the SM count gives another N: only check > 1.
     assert backends["triton"]._num_splits > 1
     assert backends["triton"]._workspace.partial_lse.shape[:2] == (7, HEADS)
+
+
+def test_triton_backend_mixed_pass_runs_leading_decodes_through_the_decode_kernel(monkeypatch) -> None:
+    """A mixed pass whose first requests decode (the planner's running requests) and whose
+    last ones extend: the decode rows take the decode kernel (split over their long
+    prefixes), the rest the extend kernel (a short extend over a long prefix: split too);
+    the output matches the torch backend (``MIXED_SPLIT_MIN_DECODES`` lowered to 3). A pass
+    that starts with an extend keeps one launch, and so do fewer leading decodes than the
+    threshold."""
+    pools = {name: KVPool(200, PAGE, 1, KV_HEADS, HEAD_DIM, torch.float32, DEVICE) for name in ("torch", "triton")}
+    backends = {"torch": TorchAttentionBackend(DEVICE), "triton": TritonAttentionBackend(DEVICE)}
+    perm = [int(p) + 1 for p in torch.randperm(199, generator=torch.Generator().manual_seed(1))]
+    tables = [perm[0:50], perm[50:100], perm[100:150], perm[150:199]]
+    prefill = ForwardBatch.build([[1] * 190, [2] * 150, [3] * 170, [4] * 180], [0] * 4, tables,
+                                 [189, 339, 509, 689], PAGE, DEVICE)  # fmt: skip
+    # three decodes, then an extend of 5 over a 180-token prefix
+    mixed = ForwardBatch.build([[5], [6], [7], [8] * 5], [190, 150, 170, 180], tables, [0, 1, 2, 7], PAGE, DEVICE)
+    ext_first = ForwardBatch.build([[9] * 2, [5]], [185, 191], [tables[3], tables[0]], [1, 2], PAGE, DEVICE)
+    monkeypatch.setattr(attention, "MIXED_SPLIT_MIN_DECODES", 3)
+    for seed, batch in enumerate([prefill, mixed]):
+        outs = {name: _step(backends[name], pools[name], batch, seed) for name in backends}
+        torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
+    split = backends["triton"]._mixed
+    assert split is not None and split.decode_rows == 3 and split.cu_extend.tolist() == [0, 5]
+    assert split.dec_splits > 1 and split.ext_splits > 1  # both kernels split their long prefixes
+    outs = {name: _step(backends[name], pools[name], ext_first, 7) for name in backends}
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
+    assert backends["triton"]._mixed is None
+    monkeypatch.setattr(attention, "MIXED_SPLIT_MIN_DECODES", 4)  # 3 leading decodes: one launch
+    backends["triton"].prepare(mixed, pools["triton"])
+    assert backends["triton"]._mixed is None
 
 
 def test_registry_lists_triton_and_auto_picks_torch_on_cpu() -> None:

@@ -80,6 +80,38 @@ def test_chunked_prefill_respects_chunk_and_budget():
     assert run_step(p) == [("a", 20, 1), ("b", 10, 1)]  # both decoding
 
 
+def test_budget_below_the_batch_never_cuts_decodes_and_paces_admission():
+    """--max-prefill-tokens below the running batch: every decode still runs each step (the
+    budget goes negative), a running chunked prefill and new prompts get only what the
+    decodes leave, and admission resumes as decodes finish."""
+    p = make_planner(num_pages=64, budget=3, chunk=8, max_running=8)
+    reqs = [make_req(f"d{i}", range(10 * i, 10 * i + 2), max_new=4) for i in range(4)]
+    for r in reqs:
+        p.add(r)
+    # step 1: the 3-token budget admits d0 (2 tokens) and 1 token of d1's prompt
+    assert run_step(p) == [("d0", 0, 2), ("d1", 0, 1)]
+    # step 2: d0 decodes (1), d1's chunk gets the rest (1), d2 gets the last token's worth
+    assert run_step(p) == [("d0", 2, 1), ("d1", 1, 1), ("d2", 0, 1)]
+    assert run_step(p) == [("d0", 3, 1), ("d1", 2, 1), ("d2", 1, 1)]  # budget spent by 3 tokens
+    late = make_req("late", range(500, 520), max_new=2)
+    p.add(late)
+    assert run_step(p) == [("d0", 4, 1), ("d1", 3, 1), ("d2", 2, 1)]  # nothing left for d3 / late
+    for r in reqs[:3]:
+        r.output_ids.extend([7] * 3)  # the three finish: their budget is free again
+        finish(p, r)
+    assert run_step(p) == [("d3", 0, 2), ("late", 0, 1)]
+    # four decoders against a budget of 2: all four decode, nothing else is scheduled
+    p2 = make_planner(num_pages=64, budget=8, chunk=8, max_running=8)
+    four = [make_req(f"e{i}", range(10 * i, 10 * i + 1), max_new=5) for i in range(4)]
+    for r in four:
+        p2.add(r)
+    run_step(p2)  # all four prefilled
+    p2.max_prefill_tokens = 2
+    p2.add(make_req("x", range(300, 310)))
+    for pos in (1, 2):
+        assert run_step(p2) == [(r.rid, pos, 1) for r in four]
+
+
 def test_second_request_reuses_page_aligned_prefix_and_keeps_last_token():
     p = make_planner(num_pages=32)
     a = make_req("a", range(12))  # exactly 3 pages

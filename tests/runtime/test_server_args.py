@@ -63,6 +63,24 @@ def test_zero_queue_is_allowed():
     assert ServerArgs.parse(["--max-queued-requests", "0"]).max_queued_requests == 0
 
 
+@pytest.mark.parametrize("value", ["1", "15", "-1", "8193"])
+def test_piecewise_cuda_graph_max_tokens_range(capsys, value):
+    assert ServerArgs.parse(["--piecewise-cuda-graph-max-tokens", "0"]).piecewise_cuda_graph_max_tokens == 0
+    assert ServerArgs.parse(["--piecewise-cuda-graph-max-tokens", "16"]).piecewise_cuda_graph_max_tokens == 16
+    assert ServerArgs.parse([]).piecewise_cuda_graph_max_tokens == 1024
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.parse(["--piecewise-cuda-graph-max-tokens", value])
+    assert exc.value.code == 2 and "--piecewise-cuda-graph-max-tokens" in capsys.readouterr().err
+
+
+def test_max_prefill_tokens_may_be_below_the_running_batch(capsys):
+    args = ServerArgs.parse(["--max-prefill-tokens", "192", "--max-running-requests", "1024"])
+    assert (args.max_prefill_tokens, args.max_running_requests) == (192, 1024)
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.parse(["--max-prefill-tokens", "0"])
+    assert exc.value.code == 2 and "--max-prefill-tokens must be >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["1", "-1", "513"])
 def test_cuda_graph_max_extend_tokens_range(capsys, value):
     assert ServerArgs.parse(["--cuda-graph-max-extend-tokens", "0"]).cuda_graph_max_extend_tokens == 0

@@ -1,0 +1,101 @@
+"""Piecewise CUDA graphs (runtime/piecewise_cuda_graph.py): the pieces, run one after the
+other with the eager attention between them, equal the fused model's forward pass over a
+mixed batch (prefill, cached-prefix chunk, decode rows), padding rows write only the dummy
+page; on CUDA the captured graphs too. On the CPU under the Triton interpreter (conftest)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from radixlm.runtime.forward_batch import ForwardBatch  # noqa: E402
+from radixlm.runtime.memory_pool import KVPool, PageAllocator  # noqa: E402
+from radixlm.runtime.model_loader import load_model  # noqa: E402
+from radixlm.runtime.piecewise_cuda_graph import PiecewiseGraphs, piecewise_sizes  # noqa: E402
+
+from .conftest import DEVICE  # noqa: E402
+
+PAGE = 4
+
+
+def test_piecewise_sizes() -> None:
+    assert piecewise_sizes(0) == []
+    assert piecewise_sizes(16) == [16]
+    assert piecewise_sizes(40) == [16, 32, 40]
+    assert piecewise_sizes(300) == [*range(16, 257, 16), 300]
+    assert piecewise_sizes(1024) == [*range(16, 257, 16), 320, 384, 448, 512, 640, 768, 896, 1024]
+    assert piecewise_sizes(1500) == [*range(16, 257, 16), 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1500]
+    for bad in (-1, 1, 15):
+        with pytest.raises(ValueError, match="max_tokens"):
+            piecewise_sizes(bad)
+
+
+def _pool(cfg, kv: str = "auto") -> KVPool:
+    pool = KVPool(48, PAGE, cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, DEVICE, kv,
+                  *((torch.full((cfg.num_hidden_layers, cfg.num_key_value_heads), 0.02),) * 2
+                    if kv == "fp8_e4m3" else (None, None)))  # fmt: skip
+    for layer in range(cfg.num_hidden_layers):  # pools start uninitialised
+        pool.k[layer].zero_()
+        pool.v[layer].zero_()
+    return pool
+
+
+@pytest.mark.parametrize("logits_all", [False, True])
+def test_pieces_equal_the_fused_forward_on_a_mixed_batch(tiny_hf_model: Callable, logits_all: bool) -> None:
+    model = load_model(tiny_hf_model(max_position_embeddings=64)[0], torch.float32, DEVICE, "triton")
+    cfg = model.config
+    r = random.Random(5)
+    # (cached prefix, new tokens): a prompt, a chunk over a cached prefix, two decode rows
+    cases = [(0, 7), (9, 3), (13, 1), (5, 1)]
+    prompts = [r.choices(range(256), k=p + t) for p, t in cases]
+
+    def fresh() -> tuple[KVPool, ForwardBatch]:
+        pool, alloc, tables = _pool(cfg), PageAllocator(48), []
+        for (prefix, t), ids in zip(cases, prompts, strict=True):
+            tables.append(alloc.alloc(-(-(prefix + t) // PAGE)))
+            alloc.alloc(1)  # non-contiguous tables
+            if prefix:
+                with torch.inference_mode():
+                    model(ForwardBatch.build([ids[:prefix]], [0], [tables[-1]], [0], PAGE, DEVICE), pool)
+        total = sum(t for _, t in cases)
+        rows = list(range(total)) if logits_all else [6, 9, 10, 11]  # each request's last token
+        batch = ForwardBatch.build([ids[p:] for (p, _), ids in zip(cases, prompts, strict=True)],
+                                   [p for p, _ in cases], tables, rows, PAGE, DEVICE)  # fmt: skip
+        batch.logits_all = logits_all
+        return pool, batch
+
+    pool_e, batch_e = fresh()
+    with torch.inference_mode():
+        want = model(batch_e, pool_e)
+    pool_g, batch_g = fresh()
+    pieces = PiecewiseGraphs(model, pool_g, max_tokens=16, capture=DEVICE == "cuda")
+    pieces.qkv.fill_(float("nan"))  # rows past the step must never be read by its attention
+    got = pieces.forward(batch_g)
+    assert got.shape == want.shape == ((12 if logits_all else 4), cfg.hidden_size)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for layer in range(cfg.num_hidden_layers):  # the same K / V on every real page
+        torch.testing.assert_close(pool_g.k[layer][1:], pool_e.k[layer][1:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(pool_g.v[layer][1:], pool_e.v[layer][1:], atol=1e-6, rtol=0)
+    # a second, smaller step through the same buffers: stale rows of the first stay harmless
+    pool_e2, batch_e2 = fresh()
+    small = ForwardBatch.build([prompts[2][13:]], [13], [batch_e2.page_table[2].tolist()], [0], PAGE, DEVICE)
+    with torch.inference_mode():
+        want2 = model(small, pool_e2)
+    torch.testing.assert_close(pieces.forward(small), want2, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="17 tokens"):
+        pieces.forward(ForwardBatch.build([prompts[0] + prompts[1][:10]], [0], [list(range(1, 6))], [0],
+                                          PAGE, DEVICE))  # fmt: skip
+
+
+def test_pieces_refuse_pools_they_cannot_store_into(tiny_hf_model: Callable) -> None:
+    model = load_model(tiny_hf_model()[0], torch.float32, DEVICE, "triton")
+    with pytest.raises(ValueError, match="float KV pool"):
+        PiecewiseGraphs(model, _pool(model.config, "fp8_e4m3"), max_tokens=16, capture=False)
+    torch_model = load_model(tiny_hf_model()[0], torch.float32, DEVICE, "torch")
+    with pytest.raises(ValueError, match="fused"):
+        PiecewiseGraphs(torch_model, _pool(torch_model.config), max_tokens=16, capture=False)
