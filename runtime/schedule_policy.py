@@ -11,10 +11,12 @@ a starvation guard) while budget, request slots and pages last; admission stops 
 first request that must wait for pages.
 
 A budget below the running batch (``max_prefill_tokens`` < ``max_running_requests``)
-paces admission for offline throughput: prompt tokens enter a step only while its
-decodes leave room, so the work of a large offline batch spreads over the steps that its
-longest reply needs anyway (with ``lof``, the longest replies start first) instead of a
-few huge prefill steps followed by a long tail of small decode steps (BENCHMARKS.md).
+paces admission: prompt tokens enter a step only while its decodes leave room, so the
+work of a large offline batch spreads over the steps that its longest reply needs anyway
+(with ``lof``, the longest replies start first) instead of a few huge prefill steps
+followed by a long tail of small decode steps. Measured on the 8B 1000-prompt run
+(BENCHMARKS.md) it is still slower than the default plan (28 s against 23 s): each of its
+~1000 mixed steps costs more host time than its tokens cost the device.
 
 Out of pages: unlocked radix leaves are evicted first (inside PrefixCache.alloc); if that
 is not enough a running request chosen by the preemption policy (runtime/preemption.py:
