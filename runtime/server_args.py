@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -44,6 +45,9 @@ def _opt(default: Any, help: str, choices: tuple | None = None, env: str | None 
 
 
 MiB = 2**20
+# A help text that gives its flag's default itself ("(default: ...)", "(default 2)", "Default:
+# ..."); other help texts get "(default: <value>)" appended.
+_STATES_DEFAULT = re.compile(r"\(default\b|\bDefault:")
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class ServerArgs:
     )
     kv_scales_path: str | None = _opt(
         None,
-        "JSON file of FP8 KV scales (written by `radixlm.runtime.kv_calibration`); without "
+        "JSON file of FP8 KV scales (written by `radixlm calibrate_kv_scales`); without "
         "it fp8_e4m3 calibrates on bundled text at start-up (the server does not start "
         "without usable scales).",
     )
@@ -128,10 +132,12 @@ class ServerArgs:
     max_prefill_tokens: int = _opt(
         4096,
         "Per-step token budget: new prompt tokens + decode tokens in one forward pass. Decode "
-        "tokens are never cut by it: below --max-running-requests it paces admission (prompt "
-        "tokens enter a step only while its decodes leave room), which with --schedule-policy "
-        "lof spreads an offline batch's work over the steps its longest reply needs (measured "
-        "slower than the default on the 8B 1000-prompt run: BENCHMARKS.md).",
+        "tokens count against it but are never cut by it. Below --max-running-requests it paces "
+        "admission: prompt tokens enter a step only while its decodes leave room, so about this "
+        "many requests run at once and the rest wait (their time to first token grows). With "
+        "--schedule-policy lof that spreads an offline batch's prompts over the steps its longest "
+        "reply needs; on a GPU (8B shape, 1000 ShareGPT prompts, BENCHMARKS.md) it measured "
+        "slower than the default budget.",
     )
     max_running_requests: int = _opt(64, "Most requests decoding at the same time.")
     preemption_policy: str = _opt(
@@ -231,10 +237,13 @@ class ServerArgs:
         "length (powers of two from 16); 0: such steps run eagerly. At most 512."
     )
     piecewise_cuda_graph_max_tokens: int = _opt(
-        1024, "A step the decode and extend graphs do not take (prefill chunks, decodes mixed with "
-        "prefill) of up to this many tokens replays piecewise CUDA graphs: one per layer gap, per "
-        "token bucket, with each layer's attention launched eagerly between them "
-        "(runtime/piecewise_cuda_graph.py; float KV caches only). 0: such steps run eagerly."
+        1024, "CUDA only, with CUDA graphs on (not with --disable-cuda-graph or the torch attention "
+        "backend): a step of prefill chunks, or of decodes mixed with prefill chunks, of up to this "
+        "many tokens replays piecewise CUDA graphs, one per gap between two layers' attentions and "
+        "token bucket, with each layer's attention launched eagerly between them (as vLLM's "
+        "piecewise CUDA graphs; runtime/piecewise_cuda_graph.py). KV caches of float pages in the "
+        "model's dtype only (not fp8_e4m3 / int4 / mixed). 0 (off: such steps run eagerly) or "
+        "16..8192."
     )
     random_seed: int = _opt(0, "Seed for requests without their own seed.")
     log_level: str = _opt("info", "Logging level.", ("debug", "info", "warning", "error"))
@@ -282,7 +291,7 @@ class ServerArgs:
                 type=base,
                 default=default,
                 choices=f.metadata.get("choices"),
-                help=help_text if "default" in help_text else f"{help_text} (default: {f.default})",
+                help=help_text if _STATES_DEFAULT.search(help_text) else f"{help_text} (default: {f.default})",
             )
 
     @classmethod

@@ -88,3 +88,18 @@ def test_cuda_graph_max_extend_tokens_range(capsys, value):
     with pytest.raises(SystemExit) as exc:
         ServerArgs.parse(["--cuda-graph-max-extend-tokens", value])
     assert exc.value.code == 2 and "--cuda-graph-max-extend-tokens" in capsys.readouterr().err
+
+
+def test_help_shows_each_default_once():
+    """A help text that names its default itself gets no "(default: ...)" appended; every
+    other one does, even when it mentions "the default" in passing."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    assert helps["--max-prefill-tokens"].endswith("(default: 4096)")
+    assert helps["--mem-fraction-static"].endswith(f"(default: {ServerArgs.mem_fraction_static})")
+    for flag in ("--admit-batch-size", "--idle-spin-ms", "--tokenizer-path", "--kv-mixed-window-pages"):
+        assert "(default: None)" not in helps[flag], flag
+    assert helps["--piecewise-cuda-graph-max-tokens"].endswith("(default: 1024)")
