@@ -146,7 +146,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Triton paged kernels (``radixlm.kernels.{store_kv,decode_attention,extend_attention}``).
 
     Per layer: store_kv, then the split-KV decode kernel for a pure decode step or the
-    extend kernel otherwise. The split count comes from the batch's host-side lengths once
+    extend kernel otherwise (a mixed step with many leading decodes: both, ``_split_mixed``). The split count comes from the batch's host-side lengths once
     per pass (no device sync): decode's in ``prepare``, the extend's (``extend_num_splits``:
     short extends over a long cached prefix take the split-KV extend path) in the first
     layer, which knows the query heads; that layer allocates the scratch, the others reuse it. Runs on CUDA; on CPU only under
@@ -190,8 +190,9 @@ class TritonAttentionBackend(AttentionBackend):
         kernel's programs are per query head and BLOCK_M rows, so a decode row there reads
         its keys once per head of its group and computes a mostly empty tile: a step of
         ~250 decodes and one prefill chunk took ~3x the time of the decode step alone (8B
-        on an H100, BENCHMARKS.md). None (one extend launch) for float pools only: FP8 / INT4
-        pools and pools with an attention sink keep the one launch."""
+        on an H100, BENCHMARKS.md). None (the one extend launch) below
+        ``MIXED_SPLIT_MIN_DECODES`` leading decodes, and for FP8 / INT4 pools and pools with
+        an attention sink (float pools only)."""
         lens = batch.extend_lens_cpu
         d = 0
         while d < len(lens) and lens[d] == 1:
@@ -276,7 +277,7 @@ class TritonAttentionBackend(AttentionBackend):
             if mixed.ext_splits > 1:
                 mixed.ext_work = self._decode.DecodeWorkspace.allocate(rows - d, heads, mixed.ext_splits, head_dim,
                                                                        self.device)  # fmt: skip
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a view of the QKV rows
         self._decode.decode_attention(
             q[:d], k_pool, v_pool, batch.page_table[:d], batch.seq_lens[:d], scale, num_splits=mixed.dec_splits,
             out=out[:d], workspace=mixed.dec_work)  # fmt: skip

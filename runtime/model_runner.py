@@ -339,8 +339,8 @@ class ModelRunner:
                 src = to_device(torch.tensor([r for _, r in inflight]), self.device)
                 batch.input_ids[flat] = self._prev_ids[src]
             try:
-                pieces = self.piecewise
-                if pieces is not None and batch.num_tokens <= pieces.max_tokens and batch.sink_slots is None:
+                pieces = self.piecewise  # only for pools without a sink (pool_fits)
+                if pieces is not None and batch.num_tokens <= pieces.max_tokens:
                     hidden = pieces.forward(batch)
                 else:
                     hidden = self.model.forward(batch, self.pool)
