@@ -113,6 +113,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.launch import launch
 from radixlm.kernels.reference import Sink, channel_major
 
 __all__ = ["FP8_DECODE_CONFIG", "FP8_LARGE_BATCH_DECODE_CONFIG", "TIERED_DECODE_CONFIG", "DecodeConfig",
@@ -910,7 +911,7 @@ def _launch(
         common["maxnreg"] = config.max_registers
     if tiered is not None:
         aligned, step = _tiled_step(page_size, config.block_n)
-        split = _decode_tiered_kernel[grid](
+        split = launch(_decode_tiered_kernel, grid,
             q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales, *tiered,
             scale * LOG2E, num_splits, *strides,
             NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim),
@@ -918,7 +919,7 @@ def _launch(
         )  # fmt: skip
     else:
         sink_args = (seq_lens, seq_lens, seq_lens) if sink is None else sink
-        split = _decode_split_kernel[grid](
+        split = launch(_decode_split_kernel, grid,
             q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales, *sink_args,
             scale * LOG2E, num_splits, *strides, HAS_SINK=sink is not None,
             V_CHANNEL_MAJOR=channel_major(v_pool), VSTEP=min(page_size, config.block_n),
@@ -929,7 +930,7 @@ def _launch(
         )  # fmt: skip
     merge = None
     if not direct:
-        merge = _decode_merge_kernel[(batch, num_heads)](
+        merge = launch(_decode_merge_kernel, (batch, num_heads),
             part_out, part_lse, out, scales[2], num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
             GROUP=group, CENTER=v_mean is not None,

@@ -142,6 +142,7 @@ from radixlm.kernels.decode_attention import (
     _tiled_step,
     _value_group,
 )
+from radixlm.kernels.launch import launch
 from radixlm.kernels.reference import Sink, channel_major
 
 __all__ = [
@@ -880,13 +881,13 @@ def _launch(
     if tiered is not None:  # probes and scale modes are for the bf16 / FP8 kernel only
         assert probe == 0, probe
         aligned, step = _tiled_step(k_pool.shape[1], config.block_n)
-        return _extend_tiered_kernel[grid](
+        return launch(_extend_tiered_kernel, grid,
             q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales, *tiered,
             scale * LOG2E, *strides,
             NUM_KV_HEADS=num_kv_heads, VGROUP=_value_group(tiered, head_dim),
             ALIGNED=aligned, STEP=step, **common,
         )  # fmt: skip
-    return _extend_kernel[grid](
+    return launch(_extend_kernel, grid,
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, out, *scales,
         *((prefix_lens,) * 3 if sink is None else sink), scale * LOG2E, *strides, HAS_SINK=sink is not None,
         SCALE_MODE=_SCALE_MODES[config.scale_mode], WARP_SPEC=config.warp_specialize, PROBE=probe,
@@ -918,7 +919,7 @@ def _launch_split(
     block_m, group_pad = _split_block_m(num_heads, num_kv_heads, config)
     grid = (triton.cdiv(max_extend_len, block_m), num_splits, page_table.shape[0] * num_kv_heads)
     part_out, part_lse = workspace.partial_out, workspace.partial_lse
-    split = _extend_split_kernel[grid](
+    split = launch(_extend_split_kernel, grid,
         q, k_pool, v_pool, page_table, cu_extend, prefix_lens, part_out, part_lse,
         prefix_lens if k_scale is None else k_scale, prefix_lens if v_scale is None else v_scale,
         *((prefix_lens,) * 3 if sink is None else sink), scale * LOG2E, num_splits, num_kv_heads,
@@ -933,7 +934,7 @@ def _launch_split(
         V_CHANNEL_MAJOR=channel_major(v_pool), VSTEP=min(k_pool.shape[1], config.block_n),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    merge = _decode_merge_kernel[(num_tokens, num_heads)](
+    merge = launch(_decode_merge_kernel, (num_tokens, num_heads),
         part_out, part_lse, out, part_lse, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), GROUP=1, CENTER=False,
         num_warps=4 if head_dim * num_splits >= 4096 else 2,

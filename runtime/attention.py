@@ -11,6 +11,7 @@ Dimension letters: T new tokens in the pass, H query heads, K kv heads, D head d
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +31,10 @@ __all__ = [
 ]
 
 
-# Fewest leading decode rows for which a mixed pass splits its attention (``_split_mixed``):
-# the second launch costs ~0.1-0.15 ms of host time per layer, which a few decode rows do
-# not repay (8B on an H100, BENCHMARKS.md: ~250 decode rows gained ~12 ms a step, <50 lost ~2).
+# Fewest leading decode rows for which a mixed pass launched from Python splits its attention
+# (``_split_mixed``): the second launch costs ~0.1-0.15 ms of host time per layer, which a few
+# decode rows do not repay (8B on an H100, BENCHMARKS.md: ~250 decode rows gained ~12 ms a
+# step, <50 lost ~2). A pass whose launches are replayed (``static_layers``) splits from one.
 MIXED_SPLIT_MIN_DECODES = 64
 
 
@@ -45,7 +47,8 @@ class AttentionBackend(ABC):
       * return, for every new token, causal attention over its request's whole sequence
         (cached prefix pages + the new tokens up to itself), softmax scale ``D ** -0.5``,
         GQA head mapping ``h -> h // (H // K)``;
-      * inputs may be strided views (last dim contiguous); output is [T, H, D], q's dtype;
+      * inputs may be strided views (last dim contiguous); output is [T, H, D], q's dtype,
+        written into ``out`` when given (contiguous rows, last dim contiguous) and returned;
       * FP8-slot pools with channel means store centred K/V (``KVPool`` doc) and add
         ``v_mean`` back to the output (``KVPool.add_v_mean``);
       * pools with an exact attention sink: write ``batch.sink_rows`` into their slots
@@ -62,6 +65,19 @@ class AttentionBackend(ABC):
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:  # noqa: B027 - optional hook
         """Per-pass setup hook; the default does nothing."""
 
+    def static_layers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      batch: ForwardBatch, pool: KVPool) -> Callable[[int], None]:
+        """Every layer's attention of one pass (after ``prepare``) whose queries and outputs
+        live in static buffers (the piecewise CUDA graphs): returns ``attend(layer_id)``,
+        which writes layer ``layer_id``'s attention of ``q`` [T, H, D] (holding that layer's
+        queries; its K / V, ``k`` / ``v`` [T, K, D], already stored in the pool) into ``out``
+        [T, H, D]. Call it for layers 0, 1, ... in order. The default calls ``forward``."""
+
+        def attend(layer_id: int) -> None:
+            self.forward(q, k, v, layer_id, batch, pool, kv_stored=True, out=out)
+
+        return attend
+
     @abstractmethod
     def forward(
         self,
@@ -72,6 +88,7 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
         pool: KVPool,
         kv_stored: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, K, D] -> attention output [T, H, D]. Writes k / v into the
         pool at ``batch.out_slots`` first, unless ``kv_stored`` (the caller did; float pools
@@ -106,6 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
         pool: KVPool,
         kv_stored: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
         k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
@@ -123,23 +141,24 @@ class TorchAttentionBackend(AttentionBackend):
         scale = q.shape[-1] ** -0.5
         if batch.is_decode:
             seq_lens = [p + 1 for p in batch.prefix_lens_cpu]
-            out = reference.paged_decode_attention(
+            result = reference.paged_decode_attention(
                 q, k_pool, v_pool, page_table, seq_lens, scale, k_scale, v_scale, sink
             )
-            return pool.add_v_mean(out, layer_id)
-        out = reference.paged_attention(
-            q,
-            k_pool,
-            v_pool,
-            page_table,
-            batch.prefix_lens_cpu,
-            batch.extend_lens_cpu,
-            scale=scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            sink=sink,
-        )
-        return pool.add_v_mean(out, layer_id)
+        else:
+            result = reference.paged_attention(
+                q,
+                k_pool,
+                v_pool,
+                page_table,
+                batch.prefix_lens_cpu,
+                batch.extend_lens_cpu,
+                scale=scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                sink=sink,
+            )
+        result = pool.add_v_mean(result, layer_id)
+        return result if out is None else out.copy_(result)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -183,21 +202,55 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             self._mixed = self._split_mixed(batch, pool)
 
-    def _split_mixed(self, batch: ForwardBatch, pool: KVPool) -> _MixedSplit | None:
+    def static_layers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      batch: ForwardBatch, pool: KVPool) -> Callable[[int], None]:
+        """As the base class, launched once: layer 0 runs ``forward`` while its kernel
+        launches are recorded (``radixlm.kernels.launch``), later layers replay them with
+        their own K / V pools swapped in (the query / output buffers, grid, split counts and
+        the batch's tensors are the pass's). That skips Triton's Python launch path and the
+        wrappers' checks: ~2-4 launches a layer at a few microseconds each. Float pools
+        without an attention sink only (a scale, channel mean or sink differs per layer);
+        others take the base class's ``forward`` per layer."""
+        if pool.quantised or pool.tiered or pool.has_sink:
+            return super().static_layers(q, k, v, out, batch, pool)
+        from radixlm.kernels.launch import record
+
+        if self._mixed is None and not batch.is_decode:  # a replayed split costs microseconds
+            self._mixed = self._split_mixed(batch, pool, min_decodes=1)
+
+        launches: list = []
+        slots: list = []
+        stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None
+
+        def attend(layer_id: int) -> None:
+            pools = (pool.k[layer_id], pool.v[layer_id])
+            if not launches:
+                with record() as recorded:
+                    self.forward(q, k, v, layer_id, batch, pool, kv_stored=True, out=out)
+                launches.extend(recorded)
+                slots.extend(r.positions(pools) for r in recorded)
+                return
+            for r, where in zip(launches, slots, strict=True):
+                r.replay(where, pools, stream)
+
+        return attend
+
+    def _split_mixed(self, batch: ForwardBatch, pool: KVPool, min_decodes: int | None = None) -> _MixedSplit | None:
         """A mixed pass whose first d requests decode one token each (the planner schedules
         running requests first) and whose others extend: their attention as two launches,
         the decode kernel over the d rows and the extend kernel over the rest. The extend
         kernel's programs are per query head and BLOCK_M rows, so a decode row there reads
         its keys once per head of its group and computes a mostly empty tile: a step of
         ~250 decodes and one prefill chunk took ~3x the time of the decode step alone (8B
-        on an H100, BENCHMARKS.md). None (the one extend launch) below
-        ``MIXED_SPLIT_MIN_DECODES`` leading decodes, and for FP8 / INT4 pools and pools with
-        an attention sink (float pools only)."""
+        on an H100, BENCHMARKS.md). None (the one extend launch) below ``min_decodes``
+        (default ``MIXED_SPLIT_MIN_DECODES``) leading decodes, and for FP8 / INT4 pools and
+        pools with an attention sink (float pools only)."""
         lens = batch.extend_lens_cpu
         d = 0
         while d < len(lens) and lens[d] == 1:
             d += 1
-        if d < MIXED_SPLIT_MIN_DECODES or pool.quantised or pool.tiered or pool.has_sink:
+        least = MIXED_SPLIT_MIN_DECODES if min_decodes is None else min_decodes
+        if d < least or pool.quantised or pool.tiered or pool.has_sink:
             return None
         dec_seq = max(batch.prefix_lens_cpu[:d]) + 1
         config = self._decode.default_decode_config(pool.dtype, False, d)
@@ -224,6 +277,7 @@ class TritonAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
         pool: KVPool,
         kv_stored: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
         k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
@@ -242,7 +296,7 @@ class TritonAttentionBackend(AttentionBackend):
             q = q.to(k_pool.dtype)
         scale = q.shape[-1] ** -0.5
         if self._mixed is not None:
-            return self._forward_mixed(q, k_pool, v_pool, batch, pool, scale)
+            return self._forward_mixed(q, k_pool, v_pool, batch, pool, scale, out)
         if self._num_splits is None:
             self._num_splits = self._extend_mod.extend_num_splits(
                 batch.batch_size, q.shape[1], pool.num_kv_heads, max(batch.extend_lens_cpu),
@@ -253,19 +307,19 @@ class TritonAttentionBackend(AttentionBackend):
             out = self._extend_mod.extend_attention(
                 q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
                 scale, max_extend_len=max(batch.extend_lens_cpu), k_scale=k_scale, v_scale=v_scale,
-                num_splits=self._num_splits, workspace=work, tiered=tiered, sink=sink,
+                num_splits=self._num_splits, workspace=work, tiered=tiered, sink=sink, out=out,
             )  # fmt: skip
             return pool.add_v_mean(out, layer_id)
         return self._decode.decode_attention(
             q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
             num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
-            tiered=tiered, v_mean=pool.v_mean[layer_id], sink=sink,
+            tiered=tiered, v_mean=pool.v_mean[layer_id], sink=sink, out=out,
         )  # fmt: skip
 
     def _forward_mixed(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
-                       pool: KVPool, scale: float) -> torch.Tensor:
+                       pool: KVPool, scale: float, out: torch.Tensor | None) -> torch.Tensor:
         """``forward``'s attention for a ``_split_mixed`` pass: the decode rows :d, then the
-        extend rows, into one [T, H, D] output."""
+        extend rows, into one [T, H, D] output (``out`` when given)."""
         mixed = self._mixed
         d, (rows, heads, head_dim) = mixed.decode_rows, q.shape
         if mixed.ext_splits is None:  # first layer: it knows the query heads
@@ -277,7 +331,8 @@ class TritonAttentionBackend(AttentionBackend):
             if mixed.ext_splits > 1:
                 mixed.ext_work = self._decode.DecodeWorkspace.allocate(rows - d, heads, mixed.ext_splits, head_dim,
                                                                        self.device)  # fmt: skip
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a view of the QKV rows
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a view of the QKV rows
         self._decode.decode_attention(
             q[:d], k_pool, v_pool, batch.page_table[:d], batch.seq_lens[:d], scale, num_splits=mixed.dec_splits,
             out=out[:d], workspace=mixed.dec_work)  # fmt: skip

@@ -19,12 +19,14 @@ Dimension letters: L layers, T the step's tokens, Tg its bucket (the smallest ca
                    hidden [Tmax, E] (the model dtype)
     piece 0 (graph):    x = embed(ids); qkv, residual = layer 0's RMSNorm + QKV projection;
                         RoPE on q, k at the positions; K / V stored at the slots
-    attention i (eager): o[:T] = layer i's attention over q, k, v [:T] (K / V already stored)
+    attention i (eager): o[:T] = layer i's attention over q, k, v [:T] (K / V already stored;
+                        the backend's ``static_layers``: the Triton backend records layer
+                        0's kernel launches and replays them for the others, pools swapped)
     piece i, 1..L-1:    layer i-1's output projection of o, its RMSNorm + MLP; layer i's
                         RMSNorm + QKV, RoPE, K / V stored (as piece 0)
     piece L:            layer L-1's output projection and MLP; hidden = final RMSNorm
 
-So a step launches L + 1 graphs and L attentions (plus one output copy each) instead of ~11 L
+So a step launches L + 1 graphs and L attentions (2-4 replayed kernels each) instead of ~11 L
 kernels. Padding rows T..Tg-1 feed token 0 at position 0 and store their K / V into slot 0
 of the dummy page 0 (never handed out); the attention reads rows :T only, and every op in
 the pieces works row by row, so padding changes no real row (their ``o`` rows hold stale,
@@ -133,12 +135,12 @@ class PiecewiseGraphs:
         inputs[2, :t] = batch.out_slots
         self.model.attn_backend.prepare(batch, self.pool)
         graphs = self.graphs.get(tg)
+        attn = self.layers[0].self_attn
+        q, k, v = attn.heads(self.qkv[:t])  # views of the static buffers: the same every layer
+        attend = attn.attn_backend.static_layers(q, k, v, self.o[:t].view(q.shape), batch, self.pool)
         self._run(0, tg, graphs)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = attn.heads(self.qkv[:t])
-            o = attn.attn_backend.forward(q, k, v, i, batch, self.pool, kv_stored=True)  # [T, H, D]
-            self.o[:t] = o.view(t, -1)
+        for i in range(self.num_layers):
+            attend(i)
             self._run(i + 1, tg, graphs)
         hidden = self.hidden[:t]
         return hidden if batch.logits_all else hidden[batch.logits_rows]

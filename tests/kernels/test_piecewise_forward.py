@@ -45,13 +45,18 @@ def _pool(cfg, kv: str = "auto") -> KVPool:
     return pool
 
 
-@pytest.mark.parametrize("logits_all", [False, True])
-def test_pieces_equal_the_fused_forward_on_a_mixed_batch(tiny_hf_model: Callable, logits_all: bool) -> None:
+@pytest.mark.parametrize(("logits_all", "decodes_first"), [(False, False), (True, False), (False, True)])
+def test_pieces_equal_the_fused_forward_on_a_mixed_batch(tiny_hf_model: Callable, logits_all: bool,
+                                                         decodes_first: bool) -> None:
+    """``decodes_first``: the planner's order (running requests first), whose decode rows the
+    attention splits off to the decode kernel in a replayed pass."""
     model = load_model(tiny_hf_model(max_position_embeddings=64)[0], torch.float32, DEVICE, "triton")
     cfg = model.config
     r = random.Random(5)
     # (cached prefix, new tokens): a prompt, a chunk over a cached prefix, two decode rows
     cases = [(0, 7), (9, 3), (13, 1), (5, 1)]
+    if decodes_first:
+        cases = cases[2:] + cases[:2]
     prompts = [r.choices(range(256), k=p + t) for p, t in cases]
 
     def fresh() -> tuple[KVPool, ForwardBatch]:
@@ -63,7 +68,8 @@ def test_pieces_equal_the_fused_forward_on_a_mixed_batch(tiny_hf_model: Callable
                 with torch.inference_mode():
                     model(ForwardBatch.build([ids[:prefix]], [0], [tables[-1]], [0], PAGE, DEVICE), pool)
         total = sum(t for _, t in cases)
-        rows = list(range(total)) if logits_all else [6, 9, 10, 11]  # each request's last token
+        ends = [sum(t for _, t in cases[: i + 1]) - 1 for i in range(len(cases))]  # each request's last token
+        rows = list(range(total)) if logits_all else ends
         batch = ForwardBatch.build([ids[p:] for (p, _), ids in zip(cases, prompts, strict=True)],
                                    [p for p, _ in cases], tables, rows, PAGE, DEVICE)  # fmt: skip
         batch.logits_all = logits_all
@@ -76,6 +82,7 @@ def test_pieces_equal_the_fused_forward_on_a_mixed_batch(tiny_hf_model: Callable
     pieces = PiecewiseGraphs(model, pool_g, max_tokens=16, capture=DEVICE == "cuda")
     pieces.qkv.fill_(float("nan"))  # rows past the step must never be read by its attention
     got = pieces.forward(batch_g)
+    assert (model.attn_backend._mixed is not None) == decodes_first
     assert got.shape == want.shape == ((12 if logits_all else 4), cfg.hidden_size)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     for layer in range(cfg.num_hidden_layers):  # the same K / V on every real page
@@ -83,12 +90,13 @@ def test_pieces_equal_the_fused_forward_on_a_mixed_batch(tiny_hf_model: Callable
         torch.testing.assert_close(pool_g.v[layer][1:], pool_e.v[layer][1:], atol=1e-6, rtol=0)
     # a second, smaller step through the same buffers: stale rows of the first stay harmless
     pool_e2, batch_e2 = fresh()
-    small = ForwardBatch.build([prompts[2][13:]], [13], [batch_e2.page_table[2].tolist()], [0], PAGE, DEVICE)
+    i = cases.index((13, 1))
+    small = ForwardBatch.build([prompts[i][13:]], [13], [batch_e2.page_table[i].tolist()], [0], PAGE, DEVICE)
     with torch.inference_mode():
         want2 = model(small, pool_e2)
     torch.testing.assert_close(pieces.forward(small), want2, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="17 tokens"):
-        pieces.forward(ForwardBatch.build([prompts[0] + prompts[1][:10]], [0], [list(range(1, 6))], [0],
+        pieces.forward(ForwardBatch.build([[1] * 17], [0], [list(range(1, 6))], [0],
                                           PAGE, DEVICE))  # fmt: skip
 
 

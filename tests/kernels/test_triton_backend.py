@@ -258,3 +258,55 @@ def test_fused_rope_applies_the_pool_key_rotation(tiny_hf_model) -> None:
         torch.testing.assert_close(keys[name, "hadamard"], keys[name, None] @ r, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(logits[name, "hadamard"], logits["torch", None], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(keys["triton", "hadamard"], keys["torch", "hadamard"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mixed_split", "mixed", "prefill_split", "decode"])
+def test_static_layers_replays_layer_zeros_launches_over_each_layers_pools(monkeypatch, kind: str) -> None:
+    """``static_layers`` (the piecewise graphs' attention): layer 0 launches through Triton
+    and is recorded, layers 1-2 replay those launches with their own pools swapped in. The
+    queries change in place between layers (as the graph pieces rewrite the static
+    buffer); every layer's output equals the torch backend's over that layer's pages. A
+    pass with leading decodes splits them off from one decode row (``MIXED_SPLIT_MIN_DECODES``
+    is for passes launched from Python)."""
+    from radixlm.kernels import launch as launch_module
+
+    layers = 3
+    pool = KVPool(200, PAGE, layers, KV_HEADS, HEAD_DIM, torch.float32, DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    for layer in range(layers):  # different keys and values per layer
+        pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=gen))
+        pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=gen))
+    perm = [int(p) + 1 for p in torch.randperm(199, generator=torch.Generator().manual_seed(1))]
+    tables = [perm[0:50], perm[50:100], perm[100:150], perm[150:199]]
+    batch = {  # three decodes then an extend of 5 over a 180-token prefix
+        "mixed_split": ForwardBatch.build([[5], [6], [7], [8] * 5], [190, 150, 170, 180], tables, [0, 1, 2, 7],
+                                          PAGE, DEVICE),
+        "mixed": ForwardBatch.build([[8] * 5, [5], [6]], [180, 190, 150], tables[:3], [4, 5, 6], PAGE, DEVICE),
+        "prefill_split": ForwardBatch.build([[2] * 6, [3] * 9], [170, 0], tables[:2], [5, 14], PAGE, DEVICE),
+        "decode": ForwardBatch.build([[5], [6], [7]], [190, 150, 170], tables[:3], [0, 1, 2], PAGE, DEVICE),
+    }[kind]  # fmt: skip
+    recorded: list[str] = []
+    replays: list[str] = []
+    cls = launch_module.RecordedLaunch
+    init, replay = cls.__init__, cls.replay
+    monkeypatch.setattr(cls, "__init__", lambda self, fn, *a: (recorded.append(fn.__name__), init(self, fn, *a))[1])
+    monkeypatch.setattr(cls, "replay", lambda self, *a: (replays.append(self.fn.__name__), replay(self, *a))[1])
+    triton_backend, torch_backend = TritonAttentionBackend(DEVICE), TorchAttentionBackend(DEVICE)
+    tokens = batch.num_tokens
+    q = torch.empty(tokens, HEADS, HEAD_DIM, device=DEVICE)
+    kv = torch.zeros(tokens, 2 * KV_HEADS, HEAD_DIM, device=DEVICE)  # unused: K / V already stored
+    out = torch.full((tokens, HEADS, HEAD_DIM), float("nan"), device=DEVICE)
+    triton_backend.prepare(batch, pool)
+    torch_backend.prepare(batch, pool)
+    assert triton_backend._mixed is None  # 3 leading decodes: below the threshold of Python launches
+    attend = triton_backend.static_layers(q, kv[:, :KV_HEADS], kv[:, KV_HEADS:], out, batch, pool)
+    for layer in range(layers):
+        q.copy_(torch.randn(q.shape, generator=gen))
+        attend(layer)
+        want = torch_backend.forward(q, kv[:, :KV_HEADS], kv[:, KV_HEADS:], layer, batch, pool, kv_stored=True)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert (triton_backend._mixed is not None) == (kind == "mixed_split")
+    if kind == "mixed_split":  # both kernels split their long prefixes: split + merge each
+        assert recorded == ["_decode_split_kernel", "_decode_merge_kernel", "_extend_split_kernel",
+                            "_decode_merge_kernel"]  # fmt: skip
+    assert recorded and replays == recorded * (layers - 1)
