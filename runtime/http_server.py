@@ -536,12 +536,20 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
     async def get_server_info() -> dict[str, Any]:
         """SGLang's server info: every setting except the API key, overridden by the
         values resolved at start-up (``device``, ``dtype``, ``context_length``,
-        ``max_total_tokens``), the model info, ``max_total_num_tokens`` /
+        ``max_total_tokens``, ``cuda_graph_max_bs`` (null: no decode graphs),
+        ``admit_batch_size``, ``idle_spin_ms``, and for the KV cache dtypes that use them
+        ``kv_mixed_window_pages`` / ``kv_sink_slots``), the model info, ``max_total_num_tokens`` /
         ``max_req_input_len`` (SGLang's names), ``internal_states`` (the scheduler's last
         report: running/waiting requests, KV pool usage, prefix-cache hit rate,
         preemptions) and ``version``."""
         r = tm.ready
-        return {**args.public_dict(), **model_info(tm, args, model_path),
+        resolved = {"cuda_graph_max_bs": r.cuda_graph_max_bs, "admit_batch_size": r.admit_batch_size,
+                    "idle_spin_ms": r.idle_spin_ms}
+        if args.kv_cache_dtype == "mixed":
+            resolved["kv_mixed_window_pages"] = args.mixed_window_pages
+        if args.kv_cache_dtype == "fp8_e4m3":
+            resolved["kv_sink_slots"] = args.sink_slots
+        return {**args.public_dict(), **resolved, **model_info(tm, args, model_path),
                 "max_total_num_tokens": r.max_total_tokens, "max_req_input_len": r.context_length - 1, "kv_cache_bytes": r.kv_bytes,
                 "internal_states": [_internal_state(tm.stats)], "version": VERSION}
 

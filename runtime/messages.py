@@ -177,6 +177,10 @@ class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):
     device: str
     dtype: str
     kv_bytes: int
+    # defaults resolved at start-up (/get_server_info shows these, not the flags' None)
+    cuda_graph_max_bs: int | None = None  # largest decode-graph batch; None: no decode graphs
+    admit_batch_size: int = 1
+    idle_spin_ms: float = 0.0
 
 
 class SchedulerError(msgspec.Struct, tag=True):

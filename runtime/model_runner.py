@@ -254,6 +254,7 @@ class ModelRunner:
             max_total_tokens=(self.num_pages - 1) * self.page_size, context_length=self.context_length,
             page_size=self.page_size, vocab_size=self.vocab_size, model_dir=str(self.model_dir),
             device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), kv_bytes=self.pool.total_bytes,
+            cuda_graph_max_bs=None if self.graph_runner is None else self.graph_runner.max_bs,
         )
 
     # ----------------------------------------------------------------- one step

@@ -618,7 +618,9 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
             time.sleep(0.5)  # linger 0: let the message leave before the socket closes
             return False
         freeze_startup_objects()
-        send.send(runner.ready_message())
+        ready = runner.ready_message()
+        ready.admit_batch_size, ready.idle_spin_ms = scheduler.planner.admit_batch, idle_spin_s * 1e3
+        send.send(ready)
         try:
             scheduler.run_forever(recv, send, parent_pid, stop, idle_spin_s)
         finally:

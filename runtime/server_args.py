@@ -50,6 +50,14 @@ MiB = 2**20
 _STATES_DEFAULT = re.compile(r"\(default\b|\bDefault:")
 
 
+def help_with_default(text: str, default: Any) -> str:
+    """A CLI flag's help with ``(default: <default>)`` appended, unless the text states its
+    default itself or the default is None (no value: the text says what happens)."""
+    if default is None or _STATES_DEFAULT.search(text):
+        return text
+    return f"{text} (default: {default})".lstrip()
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """All server settings. Units are tokens unless a name says otherwise."""
@@ -255,8 +263,9 @@ class ServerArgs:
     )
     idle_spin_ms: float | None = _opt(
         None, "After its last work, the scheduler process polls for requests without blocking for "
-        "this many milliseconds before it sleeps: a request arriving in that window is taken "
-        "0.1-0.2 ms sooner (ZeroMQ need not wake the thread); it uses a core while it spins. "
+        "this many milliseconds before it sleeps: a request arriving in that window skips the "
+        "thread's wake-up (0.13-0.19 ms on the ZeroMQ hop alone; its first launch ended ~1-2 ms "
+        "sooner on the GPU host, BENCHMARKS.md); it uses a core while it spins. "
         "Default: 20 where the process may use 4 or more cores (CPU affinity and cgroup quota), else 0 (on fewer, the "
         "spinning core is one the HTTP process needs). 0: never spin (SGLang's scheduler spins "
         "whenever idle unless --sleep-on-idle). An Engine's scheduler thread never spins."
@@ -291,7 +300,7 @@ class ServerArgs:
                 type=base,
                 default=default,
                 choices=f.metadata.get("choices"),
-                help=help_text if _STATES_DEFAULT.search(help_text) else f"{help_text} (default: {f.default})",
+                help=help_with_default(help_text, f.default),
             )
 
     @classmethod

@@ -14,6 +14,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from radixlm.runtime.scheduler import usable_cores
+
 MODEL = "default"
 PROMPT = "The capital of France is"
 COUNT = "Count from 1 to 20: 1, 2, 3,"  # greedy: " 4, 5, 6, 7, 8, 9, 10, 11, ..."
@@ -243,6 +245,10 @@ def test_server_info_mirrors_sglang_without_the_api_key(server_factory, idle_inv
     assert info["device"] == "cpu" and info["dtype"] == "float32"  # resolved, not "auto"
     assert info["model_path"] == model["model_path"] and info["version"] == "0.1.0"
     assert info["debug_invariants"] is True and info["radix_eviction_policy"] == "lru"
+    # defaults resolved at start-up, not the flags' None: no decode graphs on the CPU, so no
+    # admission batching; the idle spin by the usable cores (scheduler.idle_spin_s)
+    assert info["cuda_graph_max_bs"] is None and info["admit_batch_size"] == 1
+    assert info["idle_spin_ms"] == (20.0 if usable_cores() >= 4 else 0.0)
     state = info["internal_states"][0]
     assert state["kv_total_pages"] == 4096 // 8 and 0 <= state["token_usage"] <= 1
     assert state["prefill_tokens_computed"] == 5 and state["decode_tokens"] == 1  # 5 prompt tokens, 2nd token

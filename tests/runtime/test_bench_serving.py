@@ -292,6 +292,18 @@ def test_cli_rejects_bad_flag_combinations(capsys) -> None:
         assert message in capsys.readouterr().err
 
 
+def test_help_shows_each_default_once(capsys) -> None:
+    """Every option with a value default shows it once in --help (as launch_server's help);
+    a text that states its default keeps its own wording."""
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("--port PORT server port (default: 30000)", "prompt source (default: sharegpt)",
+                  "(default: 1000)", "output tokens (default: 256)", "one run each, same requests (default: inf)"):
+        assert shown in text, shown
+    assert text.count("(default: inf)") == 1 and "SUPPRESS" not in text and "(default: None)" not in text
+
+
 def test_plots_from_outputs_and_records(tmp_path: Path) -> None:
     outs = [RequestOutput(True, 5, 3, ttft=0.1, itl=[0.01, 0.02], latency=0.2)]
     assert bs.plot_run(outs, "run", tmp_path / "run.png")
