@@ -481,10 +481,10 @@ def plot_run(outputs: Sequence[RequestOutput], title: str, path: Path) -> bool:
     return True
 
 
-def plot_rate_curves(records: Sequence[dict[str, Any]], path: Path) -> None:
+def plot_rate_curves(records: Sequence[dict[str, Any]], path: Path) -> int:
     """TTFT and ITL (median and p99, ms) and output throughput versus request rate, one
     line per (backend, dataset) in ``records`` (JSONL records of this benchmark with a
-    finite request rate)."""
+    finite request rate; others are left out). Returns the number of records drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -513,6 +513,7 @@ def plot_rate_curves(records: Sequence[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return sum(map(len, lines.values()))
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -530,8 +531,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000, help="server port")
     p.add_argument("--model", help="model name sent to the OpenAI routes (default: the "
                    "server's served_model_name)")
-    p.add_argument("--model-path", help="HF model directory: the hf-* backends load it; also "
-                   "the tokenizer's default")
+    p.add_argument("--model-path", help="the hf-* backends' model, as launch_server's: a Hugging Face "
+                   "directory, a .gguf file (converted once, cached), or unset for the default "
+                   "SmolLM2-135M-Instruct; also the tokenizer's default")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model-path, else the "
                    "server's tokenizer_path from /get_server_info)")
     p.add_argument("--dataset-name", choices=DATASETS, default="sharegpt", help="prompt source")
@@ -574,8 +576,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="hf-generate-batch: KV pages (default: transformers sizes it)")
     p.add_argument("--hf-cb-max-batch-tokens", type=int,
                    help="hf-generate-batch: tokens per forward (default: transformers sizes it)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="hf-* backends: the model's dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="hf-* backends: the model's dtype (auto: bfloat16 on CUDA, float32 elsewhere, "
+                   "as launch_server's default)")
     p.add_argument("--output-file", help="append one JSON line per run here")
     p.add_argument("--output-details", action="store_true",
                    help="also store per-request TTFT / ITL / lengths in the record")
@@ -588,8 +591,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             action.help = help_with_default(action.help, action.default)
     args = p.parse_args(argv)
     if args.backend in HF_BACKENDS:
-        if not args.model_path:
-            p.error(f"--backend {args.backend} needs --model-path")
         if any(math.isfinite(r) for r in args.request_rate) or args.max_concurrency:
             p.error(f"--backend {args.backend} runs offline: no --request-rate / --max-concurrency")
         if args.dataset_name == "sharegpt-multiturn":
@@ -694,6 +695,16 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     info = {} if args.backend in HF_BACKENDS else _server_info(base_url)
+    if args.backend in HF_BACKENDS:  # the model as launch_server resolves it; dtype "auto" too
+        import torch
+
+        from radixlm.runtime.model_loader import resolve_dtype, resolve_model_path
+
+        try:
+            args.model_path = resolve_model_path(args.model_path or None)
+        except FileNotFoundError as exc:
+            raise SystemExit(f"--model-path: {exc}") from exc
+        args.dtype = str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
     tokenizer_dir = args.tokenizer or args.model_path or info.get("tokenizer_path")
     tokenizer = load_tokenizer(tokenizer_dir)
     workload = build_workload(args, tokenizer)
@@ -737,10 +748,15 @@ def plot_main(argv: list[str] | None = None) -> int:
     throughput versus request rate from JSONL records."""
     p = argparse.ArgumentParser(prog="radixlm bench serving-plot", description=plot_main.__doc__)
     p.add_argument("records", nargs="+", help="JSONL files written by --output-file")
-    p.add_argument("--out", default="rate_curves.png")
+    p.add_argument("--out", default="rate_curves.png", help="the PNG written (default: rate_curves.png)")
     args = p.parse_args(argv)
     records = [json.loads(line) for path in args.records
                for line in Path(path).read_text().splitlines() if line.strip()]
-    plot_rate_curves(records, Path(args.out))
-    print(f"wrote {args.out}")
+    finite = sum(1 for r in records if r.get("request_rate") is not None and math.isfinite(r["request_rate"]))
+    if not finite:
+        raise SystemExit(f"no record with a finite request rate among {len(records)}: nothing to plot "
+                         "(runs at --request-rate inf are left out)")
+    drawn = plot_rate_curves(records, Path(args.out))
+    skipped = len(records) - drawn
+    print(f"wrote {args.out} ({drawn} runs" + (f"; {skipped} at request rate inf left out)" if skipped else ")"))
     return 0

@@ -281,7 +281,6 @@ def test_multiturn_text_backends_render_the_chat_template() -> None:
 # ----------------------------------------------------------------------------- CLI, plots
 def test_cli_rejects_bad_flag_combinations(capsys) -> None:
     for argv, message in (
-        (["--backend", "hf-generate"], "needs --model-path"),
         (["--backend", "hf-generate-batch", "--model-path", "m", "--request-rate", "2"],
          "runs offline"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
@@ -304,7 +303,7 @@ def test_help_shows_each_default_once(capsys) -> None:
     assert text.count("(default: inf)") == 1 and "SUPPRESS" not in text and "(default: None)" not in text
 
 
-def test_plots_from_outputs_and_records(tmp_path: Path) -> None:
+def test_plots_from_outputs_and_records(tmp_path: Path, capsys) -> None:
     outs = [RequestOutput(True, 5, 3, ttft=0.1, itl=[0.01, 0.02], latency=0.2)]
     assert bs.plot_run(outs, "run", tmp_path / "run.png")
     assert (tmp_path / "run.png").stat().st_size > 1000
@@ -318,6 +317,12 @@ def test_plots_from_outputs_and_records(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert bs.plot_main([str(path), "--out", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert "(3 runs; 1 at request rate inf left out)" in capsys.readouterr().out
+    offline = tmp_path / "offline.jsonl"
+    offline.write_text(json.dumps(records[-1]) + "\n")
+    with pytest.raises(SystemExit, match="no record with a finite request rate among 1"):
+        bs.plot_main([str(offline), "--out", str(tmp_path / "none.png")])
+    assert not (tmp_path / "none.png").exists()
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -345,6 +350,23 @@ def test_hf_generate_counts_each_requests_own_length(tiny_model) -> None:
     # requests of one batch finish together, the second batch after the first
     assert len({o.latency for o in outs[:4]}) == 1 and len({o.latency for o in outs[4:]}) == 1
     assert 0 < outs[0].latency < outs[4].latency <= duration
+
+
+def test_hf_backend_defaults_to_the_servers_model_and_dtype(tmp_path: Path, capsys) -> None:
+    """Without --model-path the baselines load launch_server's default model (the packaged
+    GGUF's converted directory) and --dtype auto resolves as the server's (float32 on CPU);
+    a bad path is a one-line error, not a traceback."""
+    from radixlm.runtime.model_loader import resolve_model_path
+
+    out = tmp_path / "runs.jsonl"
+    argv = ["--backend", "hf-generate", "--dataset-name", "random", "--num-prompts", "2", "--random-input-len", "8",
+            "--random-output-len", "2", "--random-range-ratio", "1", "--disable-tqdm", "--output-file", str(out)]
+    assert bs.main(argv) == 0
+    rec = json.loads(out.read_text())
+    assert rec["model_path"] == resolve_model_path(None) and rec["dtype"] == "float32"
+    assert rec["completed"] == 2 and rec["total_output_tokens"] == 4
+    with pytest.raises(SystemExit, match="--model-path: .*neither a model directory"):
+        bs.main([*argv[:2], "--model-path", str(tmp_path / "missing.bin")])
 
 
 def test_hf_generate_batch_continuous_batching(tiny_model) -> None:
