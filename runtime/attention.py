@@ -208,7 +208,8 @@ class TritonAttentionBackend(AttentionBackend):
         launches are recorded (``radixlm.kernels.launch``), later layers replay them with
         their own K / V pools swapped in (the query / output buffers, grid, split counts and
         the batch's tensors are the pass's). That skips Triton's Python launch path and the
-        wrappers' checks: ~2-4 launches a layer at a few microseconds each. Float pools
+        wrappers' checks for 2-4 kernels a layer: a paced mixed step of the 8B shape launched
+        in 6.0 ms instead of 13.9 (H100, BENCHMARKS.md 2026-12-06). Float pools
         without an attention sink only (a scale, channel mean or sink differs per layer);
         others take the base class's ``forward`` per layer."""
         if pool.quantised or pool.tiered or pool.has_sink:
