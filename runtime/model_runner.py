@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -371,7 +372,8 @@ class ModelRunner:
         sb, rows_of, _ = self._sampling_batch(reqs)
         window = self._window_ids[: steps * b].view(steps, b)
         logits, _, graph_reqs = self._logits(items, False, steps)
-        greedy = graph_reqs is not None and sb.all_greedy and not (sb.seen_ids.numel() or sb.output_ids.numel())
+        greedy = graph_reqs is not None and sb.all_greedy and not (
+            sb.seen_ids.numel() or sb.output_ids.numel() or sb.banned_ids.numel())
         for i in range(steps):
             if i:
                 if graph_reqs is not None:
@@ -417,7 +419,8 @@ class ModelRunner:
         else:
             sb = None
         if sb is None:
-            sb = SamplingBatch.build([req.sampling_info or _sampling_info(req) for req in reqs], self.device)
+            eos = self.eos_token_ids
+            sb = SamplingBatch.build([req.sampling_info or _sampling_info(req, eos) for req in reqs], self.device)
             stateless = stateless or all(req.sampling_info is not None for req in reqs)  # set by the build
         batch = (sb, {req: i for i, req in enumerate(reqs)}, any(req.grammar is not None for req in reqs))
         self._sampling_cache = (key, batch) if stateless else None
@@ -677,19 +680,26 @@ def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     return [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
 
 
-def _sampling_info(req: Req) -> SamplingInfo:
-    """The request's SamplingInfo for this step. A request with no per-step state (no seed,
-    no penalty) keeps its one in ``req.sampling_info``: a batch whose members change every
-    step (large batches: some request finishes every step) rebuilds its SamplingBatch from
-    cached rows, not from new validated objects."""
+def _sampling_info(req: Req, eos_token_ids: Iterable[int]) -> SamplingInfo:
+    """The request's SamplingInfo for this step. While it has fewer than ``min_new_tokens``
+    outputs, its stop token ids and (unless ``ignore_eos``) ``eos_token_ids`` are banned,
+    unless a grammar constrains it (the grammar's EOS outranks min_new_tokens, as SGLang's). A
+    request with no per-step state (no seed, no penalty, nothing banned) keeps its one in
+    ``req.sampling_info``: a batch whose members change every step (large batches: some
+    request finishes every step) rebuilds its SamplingBatch from cached rows, not from new
+    validated objects."""
     sp = req.sampling
+    step = len(req.output_ids) + req.num_inflight
+    banned = ()
+    if step < sp.min_new_tokens and req.grammar is None:
+        banned = tuple({*sp.stop_token_ids, *(() if sp.ignore_eos else eos_token_ids)})
     info = SamplingInfo(
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
         repetition_penalty=sp.repetition_penalty, frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty, seed=sp.seed, step=len(req.output_ids) + req.num_inflight,
-        output_ids=req.output_ids, prompt_ids=req.prompt_ids,
+        presence_penalty=sp.presence_penalty, seed=sp.seed, step=step,
+        output_ids=req.output_ids, prompt_ids=req.prompt_ids, banned_ids=banned,
     )
-    if sp.seed is None and not has_penalties(sp):
+    if sp.seed is None and not has_penalties(sp) and not banned:
         req.sampling_info = info
     return info
 

@@ -12,6 +12,9 @@ Pipeline, vectorised over the batch (no Python loop over rows in the arithmetic)
                                              +--> / temperature --> softmax --> top-k
                                                   --> top-p --> min-p --> argmax(p / q)
 
+* Banned ids (``min_new_tokens``, vLLM's ``min_tokens``, SGLang's min-new-tokens
+  penalizer): a row's ``banned_ids`` (its EOS and stop token ids while it has fewer than
+  ``min_new_tokens`` outputs) get logit -inf before everything else, greedy rows included.
 * Penalties. Repetition penalty (Keskar et al. 2019, CTRL), HF / vLLM semantics: for every
   token seen in prompt + output, a positive logit is divided by the penalty and a negative
   one multiplied. Then frequency / presence penalties, OpenAI semantics, output tokens
@@ -72,6 +75,8 @@ class SamplingInfo:
     ``step`` is how many tokens the request has sampled so far (keys seeded noise).
     ``output_ids`` are the tokens generated so far (frequency / presence penalties);
     ``prompt_ids`` + ``output_ids`` are the seen tokens for the repetition penalty.
+    ``banned_ids`` may not be sampled at this step (logit -inf): a request's EOS and stop
+    token ids while it has fewer than ``min_new_tokens`` outputs.
     """
 
     temperature: float = 1.0
@@ -85,6 +90,7 @@ class SamplingInfo:
     step: int = 0
     output_ids: Sequence[int] = ()
     prompt_ids: Sequence[int] = ()
+    banned_ids: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -136,10 +142,12 @@ class SamplingBatch:
     seen_ids: Tensor  # [Ns] int64
     output_rows: Tensor  # [No] int64, (row, token) pairs of output, rows with freq/pres penalty
     output_ids: Tensor  # [No] int64
+    banned_rows: Tensor  # [Nb] int64, (row, token) pairs that may not be sampled this step
+    banned_ids: Tensor  # [Nb] int64
     unseeded_rows: Tensor  # [Nu] int64, sampled (non-greedy) rows without a seed
     seeded_rows: tuple[int, ...]  # sampled rows with a seed
     seed_keys: tuple[int, ...]  # _mix_seed(seed, step) of each seeded row
-    max_token_id: int  # largest id in seen_ids / output_ids, -1 if none
+    max_token_id: int  # largest id in seen_ids / output_ids / banned_ids, -1 if none
     all_greedy: bool
     use_top_k: bool
     use_top_p: bool
@@ -163,6 +171,7 @@ class SamplingBatch:
         sampled = [i for i, p in enumerate(params) if not p._ints[1]]
         seen_rows, seen_ids, seen_max = _flatten_ids(params, _rep_wanted, _seen_ids, device)
         out_rows, out_ids, out_max = _flatten_ids(params, _freq_pres_wanted, _output_ids, device)
+        ban_rows, ban_ids, ban_max = _flatten_ids(params, _banned_wanted, _banned_ids, device)
 
         # Two host-to-device copies for the per-row parameters (a step's host time is
         # mostly per-call overhead): floats [6, B] and ints [2, B], unbound into rows; the
@@ -171,31 +180,34 @@ class SamplingBatch:
         floats = to_device(torch.tensor(list(zip(*[p._floats for p in params], strict=True)),
                                         dtype=torch.float32), device)
         ints = to_device(torch.tensor(list(zip(*[p._ints for p in params], strict=True)), dtype=torch.int64), device)
-        return cls._assemble(params, sampled, floats, ints, (seen_rows, seen_ids, out_rows, out_ids),
-                             max(seen_max, out_max))
+        return cls._assemble(params, sampled, floats, ints,
+                             (seen_rows, seen_ids, out_rows, out_ids, ban_rows, ban_ids),
+                             max(seen_max, out_max, ban_max))
 
     def take(self, rows: Sequence[int], params: Sequence[SamplingInfo]) -> SamplingBatch:
         """The batch whose row i is this batch's row ``rows[i]`` (``params[i]`` its info, the
         same values): two index ops on the device instead of a rebuild from Python values (a
         large decode batch loses a member nearly every step). Only for stateless rows (no
-        penalty, no seed: nothing that changes per step); ``params`` are not checked for it.
+        penalty, seed or banned id: nothing that changes per step); ``params`` are not
+        checked for it.
 
-        Raises ValueError if this batch has a penalised or seeded row.
+        Raises ValueError if this batch has a penalised, seeded or banning row.
         """
-        if self.seen_ids.numel() or self.output_ids.numel() or self.seeded_rows:
-            raise ValueError("take() needs rows without penalties or seeds")
+        if self.seen_ids.numel() or self.output_ids.numel() or self.banned_ids.numel() or self.seeded_rows:
+            raise ValueError("take() needs rows without penalties, seeds or banned ids")
         index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         sampled = [i for i, p in enumerate(params) if not p._ints[1]]
         empty = self.seen_ids[:0]
         return self._assemble(params, sampled, self.row_floats[:, index], self.row_ints[:, index],
-                              (empty, empty, empty, empty), -1)
+                              (empty,) * 6, -1)
 
     @classmethod
     def _assemble(cls, params: Sequence[SamplingInfo], sampled: list[int], floats: Tensor, ints: Tensor,
-                  token_ids: tuple[Tensor, Tensor, Tensor, Tensor], max_token_id: int) -> SamplingBatch:
+                  token_ids: tuple[Tensor, ...], max_token_id: int) -> SamplingBatch:
         """The batch from its stacked rows on the device (``row_floats`` / ``row_ints``), the
-        rows' infos, the sampled (non-greedy) rows and the flattened (row, id) pairs."""
-        seen_rows, seen_ids, out_rows, out_ids = token_ids
+        rows' infos, the sampled (non-greedy) rows and the flattened (row, id) pairs (seen,
+        output and banned)."""
+        seen_rows, seen_ids, out_rows, out_ids, ban_rows, ban_ids = token_ids
         device = floats.device
         temperatures, top_ps, min_ps, rep, freq, pres = floats.unbind(0)
         seeded = [i for i in sampled if params[i].seed is not None]
@@ -213,6 +225,8 @@ class SamplingBatch:
             seen_ids=seen_ids,
             output_rows=out_rows,
             output_ids=out_ids,
+            banned_rows=ban_rows,
+            banned_ids=ban_ids,
             unseeded_rows=to_device(torch.tensor(unseeded, dtype=torch.int64), device),
             seeded_rows=tuple(seeded),
             seed_keys=tuple(_mix_seed(params[i].seed, params[i].step) for i in seeded),
@@ -269,13 +283,16 @@ def sample(
 
 
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Repetition, then frequency / presence penalties. [B, V] f32 -> new [B, V] f32.
+    """Banned ids (-inf), repetition, then frequency / presence penalties. [B, V] f32 -> new
+    [B, V] f32 (``logits`` itself when no row has any).
 
     Touches only the (row, token) pairs that carry a penalty: O(N), no dense [B, V] masks.
     """
-    if not (batch.seen_ids.numel() or batch.output_ids.numel()):
+    if not (batch.seen_ids.numel() or batch.output_ids.numel() or batch.banned_ids.numel()):
         return logits
     logits = logits.clone()
+    if batch.banned_ids.numel():
+        logits[batch.banned_rows, batch.banned_ids] = float("-inf")
     if batch.seen_ids.numel():
         _repetition_penalty_(logits, batch.seen_rows, batch.seen_ids, batch.repetition_penalties)
     if batch.output_ids.numel():
@@ -423,6 +440,14 @@ def _rep_wanted(p: SamplingInfo) -> bool:
 
 def _freq_pres_wanted(p: SamplingInfo) -> bool:
     return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _banned_wanted(p: SamplingInfo) -> bool:
+    return bool(p.banned_ids)
+
+
+def _banned_ids(p: SamplingInfo) -> list[int]:
+    return list(p.banned_ids)
 
 
 def _seen_ids(p: SamplingInfo) -> list[int]:

@@ -130,7 +130,9 @@ class Scheduler:
         grammar = grammar_of(req.sampling)
         if grammar is None and not req.return_logprob:
             self.stop_checker.set_fast_path(req)
-            req.multi_step = req.sampling.seed is None and not has_penalties(req.sampling)
+            # min_new_tokens bans ids per step (model_runner._sampling_info): one step at a time
+            req.multi_step = (req.sampling.seed is None and not has_penalties(req.sampling)
+                              and req.sampling.min_new_tokens == 0)
         if grammar is not None:
             self.grammar_waiting.append((req, self.grammars.get(grammar)))
             return

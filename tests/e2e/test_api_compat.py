@@ -124,6 +124,37 @@ def test_echo_through_the_openai_client_and_its_limits(server, idle_invariants):
     idle_invariants(server)
 
 
+# ----------------------------------------------------------------------------- min_new_tokens
+def test_min_new_tokens_bans_eos_until_reached(server, tokenizer, idle_invariants):
+    """EOS (and stop token ids) cannot be sampled before min_new_tokens outputs (vLLM's
+    min_tokens, SGLang's penalizer): it was sampled and skipped over, so the output ran on
+    past EOS into an invented next turn. The OpenAI route's min_tokens the same."""
+    prompt = "<|im_start|>user\nSay only the word OK.<|im_end|>\n<|im_start|>assistant\n"
+    greedy = {"temperature": 0, "skip_special_tokens": False}
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with server.client() as c:
+        free = _post(c, "/generate", {"text": prompt, "sampling_params": {**greedy, "max_new_tokens": 20}})
+        assert free["output_ids"][-1] == eos and len(free["output_ids"]) <= 12, free  # a short reply, then EOS
+        n = len(free["output_ids"])
+        held = _post(c, "/generate", {"text": prompt, "sampling_params": {**greedy, "max_new_tokens": 20,
+                                                                          "min_new_tokens": n + 2}})
+        full = _post(c, "/generate", {"text": prompt, "sampling_params": {**greedy, "max_new_tokens": 12,
+                                                                          "min_new_tokens": 12}})
+        stop_id = full["output_ids"][3]
+        no_stop = _post(c, "/generate", {"text": prompt, "sampling_params": {
+            **greedy, "max_new_tokens": 12, "min_new_tokens": 12, "stop_token_ids": [stop_id]}})
+        oai = _post(c, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 12, "min_tokens": 12,
+                                           "temperature": 0})
+    ids = held["output_ids"]
+    assert eos not in ids[: n + 2] and len(ids) > n + 2, ids  # n + 2 tokens first, EOS only after
+    assert ids[: n - 1] == free["output_ids"][: n - 1]  # the same greedy tokens before the ban mattered
+    assert len(full["output_ids"]) == 12 and eos not in full["output_ids"], full
+    assert full["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(no_stop["output_ids"]) == 12 and stop_id not in no_stop["output_ids"], no_stop
+    assert oai["choices"][0]["finish_reason"] == "length" and oai["usage"]["completion_tokens"] == 12
+    idle_invariants(server)
+
+
 # ----------------------------------------------------------------------------- stop_regex
 def test_stop_regex_stops_and_cuts_like_a_stop_string(server, tokenizer, idle_invariants):
     base = {"text": COUNT, "sampling_params": {"max_new_tokens": 40, "temperature": 0}}

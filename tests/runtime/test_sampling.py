@@ -57,6 +57,28 @@ def test_greedy_equals_argmax():
     assert res.next_ids.dtype == torch.int64 and res.next_ids.shape == (8,)
 
 
+def test_banned_ids_are_never_chosen_and_only_on_their_rows():
+    """min_new_tokens' ban (EOS / stop ids): greedy rows take the best id left, sampled rows
+    never draw a banned id, rows without bans and the returned logprobs are untouched."""
+    logits = _known_rows(4000)  # id 0 is the argmax (p 0.5)
+    infos = [SamplingInfo(temperature=0.0, banned_ids=(0,)), SamplingInfo(temperature=0.0),
+             SamplingInfo(temperature=1.0, banned_ids=(0, 2))] + [SamplingInfo(temperature=1.0, banned_ids=(1,))] * 3997
+    res = _sample(logits, infos)
+    assert res.next_ids[:2].tolist() == [1, 0]
+    assert res.next_ids[2].item() in (1, 3)
+    drawn = res.next_ids[3:]
+    assert not (drawn == 1).any()
+    freq = _frequencies(drawn, 4)  # renormalised without id 1: 0.5 / 0.7, 0.15 / 0.7, 0.05 / 0.7
+    assert freq[0] == pytest.approx(0.5 / 0.7, abs=0.03) and freq[2] == pytest.approx(0.15 / 0.7, abs=0.03)
+    assert res.logprobs[0].item() == pytest.approx(math.log(0.3), abs=1e-5)  # raw, not renormalised
+    batch = SamplingBatch.build(infos[:2], "cpu")
+    assert batch.banned_rows.tolist() == [0] and batch.banned_ids.tolist() == [0]
+    with pytest.raises(ValueError, match="banned ids"):
+        batch.take([1, 0], infos[1::-1])
+    with pytest.raises(ValueError, match="out of vocab"):
+        _sample(logits[:1], [SamplingInfo(banned_ids=(4,))])
+
+
 def test_without_logprobs_the_same_tokens_are_chosen_and_none_computed():
     """want_logprobs=False (no row returns logprobs) skips the log-softmax: the same ids for
     greedy, seeded and unseeded rows under penalties, and logprobs None; top-k logprobs
@@ -421,7 +443,8 @@ def test_take_equals_a_build_of_the_chosen_rows():
     assert full.take([0], params[:1]).all_greedy and not full.take([0, 1], params[:2]).all_greedy
 
 
-def test_take_refuses_penalised_or_seeded_batches():
-    for info in (SamplingInfo(repetition_penalty=1.2, prompt_ids=[1, 2]), SamplingInfo(temperature=1.0, seed=3)):
-        with pytest.raises(ValueError, match="penalties or seeds"):
+def test_take_refuses_penalised_seeded_or_banning_batches():
+    for info in (SamplingInfo(repetition_penalty=1.2, prompt_ids=[1, 2]), SamplingInfo(temperature=1.0, seed=3),
+                 SamplingInfo(banned_ids=(2,))):
+        with pytest.raises(ValueError, match="penalties, seeds or banned ids"):
             SamplingBatch.build([info, SamplingInfo()], "cpu").take([0], [info])
