@@ -595,10 +595,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--backend {args.backend} runs offline: no --request-rate / --max-concurrency")
         if args.dataset_name == "sharegpt-multiturn":
             p.error("sharegpt-multiturn needs an HTTP backend")
-    for flag in ("num_prompts", "max_concurrency", "hf_batch_size"):
+    for flag in ("num_prompts", "max_concurrency", "hf_batch_size", "sharegpt_output_len", "sharegpt_context_len",
+                 "random_input_len", "random_output_len", "gsp_num_groups", "gsp_prompts_per_group",
+                 "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len", "multiturn_max_turns",
+                 "multiturn_output_len"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if not all(r > 0 for r in args.request_rate):  # nan fails too
+        p.error("--request-rate values must be > 0 (inf: all at once)")
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        p.error("--random-range-ratio must be in [0, 1]")
+    if not 0.0 <= args.multiturn_think_time < math.inf:
+        p.error("--multiturn-think-time must be a finite number >= 0")
+    if args.dataset_path is not None and not Path(args.dataset_path).is_file():
+        p.error(f"--dataset-path {args.dataset_path}: no such file")
     return args
 
 

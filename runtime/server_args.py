@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -349,8 +350,18 @@ class ServerArgs:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
-        if self.schedule_max_wait_s < 0:
-            raise ValueError("--schedule-max-wait-s must be >= 0")
+        if not 0 <= self.schedule_max_wait_s < math.inf:
+            raise ValueError("--schedule-max-wait-s must be a finite number >= 0")
+        if not 1 <= self.port <= 65535:
+            raise ValueError("--port must be in 1..65535")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError("--context-length must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
+        if not 0 <= self.swap_space_gb < math.inf:
+            raise ValueError("--swap-space-gb must be a finite number >= 0")
+        if not 0 <= self.random_seed < 2**63:
+            raise ValueError("--random-seed must be in [0, 2**63)")
         if self.schedule_max_passes < 0:
             raise ValueError("--schedule-max-passes must be >= 0")
         if self.admit_batch_size is not None and self.admit_batch_size < 1:
@@ -393,12 +404,14 @@ class ServerArgs:
     def importance_weight_values(self) -> tuple[float, float, float]:
         """``--importance-weights`` as (w1, w2, w3). Raises ValueError if malformed."""
         try:
-            w1, w2, w3 = (float(x) for x in self.importance_weights.split(","))
+            weights = tuple(float(x) for x in self.importance_weights.split(","))
         except ValueError:
+            weights = ()
+        if len(weights) != 3 or not all(math.isfinite(w) for w in weights):
             raise ValueError(
-                f"--importance-weights must be three comma-separated numbers, got {self.importance_weights!r}"
-            ) from None
-        return (w1, w2, w3)
+                f"--importance-weights must be three comma-separated finite numbers, got {self.importance_weights!r}"
+            )
+        return weights
 
     def public_dict(self) -> dict[str, Any]:
         """Every setting except the secret ones (``--api-key``): what ``/get_server_info``

@@ -284,6 +284,17 @@ def test_cli_rejects_bad_flag_combinations(capsys) -> None:
         (["--backend", "hf-generate-batch", "--model-path", "m", "--request-rate", "2"],
          "runs offline"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        # from an adversarial pass: tracebacks or silent runs before
+        (["--request-rate", "0"], "--request-rate values must be > 0"),
+        (["--request-rate", "2", "nan"], "--request-rate values must be > 0"),
+        (["--random-input-len", "0"], "--random-input-len must be >= 1"),
+        (["--random-output-len", "-4"], "--random-output-len must be >= 1"),
+        (["--random-range-ratio", "2"], "--random-range-ratio must be in [0, 1]"),
+        (["--sharegpt-output-len", "-5"], "--sharegpt-output-len must be >= 1"),
+        (["--gsp-num-groups", "0"], "--gsp-num-groups must be >= 1"),
+        (["--multiturn-max-turns", "0"], "--multiturn-max-turns must be >= 1"),
+        (["--multiturn-think-time", "nan"], "--multiturn-think-time must be a finite number >= 0"),
+        (["--dataset-path", "/nonexistent.json"], "--dataset-path /nonexistent.json: no such file"),
     ):
         with pytest.raises(SystemExit) as exc:
             bs.parse_args(argv)

@@ -47,6 +47,17 @@ def test_unusable_api_key_is_a_usage_error(monkeypatch, capsys, key):
     (["--admit-max-wait-steps", "-1"], "--admit-max-wait-steps must be >= 0"),
     (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be in [1, 64]"),
     (["--num-scheduler-steps", "65"], "--num-scheduler-steps must be in [1, 64]"),
+    # from an adversarial pass: accepted before, or failing only after the model loaded
+    (["--context-length", "-5"], "--context-length must be >= 1"),
+    (["--context-length", "0"], "--context-length must be >= 1"),
+    (["--stream-interval", "0"], "--stream-interval must be >= 1"),
+    (["--port", "70000"], "--port must be in 1..65535"),
+    (["--port", "-1"], "--port must be in 1..65535"),
+    (["--swap-space-gb", "-1"], "--swap-space-gb must be a finite number >= 0"),
+    (["--schedule-max-wait-s", "nan"], "--schedule-max-wait-s must be a finite number >= 0"),
+    (["--importance-weights", "1,nan,2"], "three comma-separated finite numbers"),
+    (["--importance-weights", "1,2"], "three comma-separated finite numbers"),
+    (["--random-seed", "99999999999999999999999"], "--random-seed must be in [0, 2**63)"),
 ])
 def test_limit_flags_out_of_range_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
