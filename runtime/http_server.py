@@ -223,6 +223,9 @@ def _validation_message(exc: RequestValidationError | pydantic.ValidationError) 
     if param is None:  # the body as a whole (empty, or JSON that is not an object)
         if first.get("type") == "missing":
             return "request body is empty; expected a JSON object", None
+        if first.get("type") in ("model_type", "model_attributes_type", "dict_type"):  # e.g. curl -d's form type
+            return (f"request body: {first.get('msg')}; send a JSON object with "
+                    "'Content-Type: application/json'"), None
         return f"request body: {first.get('msg')}", None
     return f"{param}: {first.get('msg')}", param
 

@@ -32,3 +32,13 @@ def test_param_names_the_field_not_the_union_member(model, body, param, says) ->
     message, got = _validation_message(exc.value)
     assert got == param
     assert message.startswith(f"{param}: ") and says in message, message
+
+
+def test_a_body_that_is_not_an_object_names_the_content_type() -> None:
+    """A JSON body sent without ``Content-Type: application/json`` (plain ``curl -d``)
+    reaches validation as a string: the message says what to send."""
+    with pytest.raises(pydantic.ValidationError) as exc:
+        GenerateRequest.model_validate('{"text": "hi"}')
+    message, param = _validation_message(exc.value)
+    assert param is None and message.startswith("request body: ")
+    assert message.endswith("send a JSON object with 'Content-Type: application/json'"), message
