@@ -5,7 +5,7 @@ lookup, the launch hooks) runs for every launch of a kernel of ~40 arguments, an
 wrappers' checks add more. The piecewise CUDA graphs (``runtime/piecewise_cuda_graph``)
 launch each layer's attention eagerly: a mixed step of the 8B shape spent 6-18 ms of host
 time launching (BENCHMARKS.md, 2026-12-05), more than the device needs for a few hundred
-tokens; with the replay 6.0 ms where it took 13.9 (2026-12-06). Between two layers of one step only the KV pool tensors change: the query and
+tokens; with the replay ~1.4-1.8x less (2026-12-06, measured across H100 hosts). Between two layers of one step only the KV pool tensors change: the query and
 output buffers are static, the grid, split counts, page table and lengths are the step's.
 So layer 0 launches through Triton inside ``record()``, and layers 1.. replay those
 launches with the layer's pools swapped in, straight through each compiled kernel's

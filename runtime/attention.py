@@ -209,7 +209,7 @@ class TritonAttentionBackend(AttentionBackend):
         their own K / V pools swapped in (the query / output buffers, grid, split counts and
         the batch's tensors are the pass's). That skips Triton's Python launch path and the
         wrappers' checks for 2-4 kernels a layer: a paced mixed step of the 8B shape launched
-        in 6.0 ms instead of 13.9 (H100, BENCHMARKS.md 2026-12-06). Float pools
+        ~1.4-1.8x faster (H100 hosts, BENCHMARKS.md 2026-12-06). Float pools
         without an attention sink only (a scale, channel mean or sink differs per layer);
         others take the base class's ``forward`` per layer."""
         if pool.quantised or pool.tiered or pool.has_sink:
