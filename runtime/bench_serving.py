@@ -481,6 +481,11 @@ def plot_run(outputs: Sequence[RequestOutput], title: str, path: Path) -> bool:
     return True
 
 
+def _on_rate_curve(rec: dict[str, Any]) -> bool:
+    """Whether a JSONL record ran at a finite request rate (offline runs are not on the curves)."""
+    return rec.get("request_rate") is not None and math.isfinite(rec["request_rate"])
+
+
 def plot_rate_curves(records: Sequence[dict[str, Any]], path: Path) -> int:
     """TTFT and ITL (median and p99, ms) and output throughput versus request rate, one
     line per (backend, dataset) in ``records`` (JSONL records of this benchmark with a
@@ -492,7 +497,7 @@ def plot_rate_curves(records: Sequence[dict[str, Any]], path: Path) -> int:
 
     lines: dict[str, list[dict]] = {}
     for rec in records:
-        if rec.get("request_rate") is not None and math.isfinite(rec["request_rate"]):
+        if _on_rate_curve(rec):
             lines.setdefault(f"{rec['backend']} {rec['dataset_name']}", []).append(rec)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     panels = (("ttft", "TTFT (ms)"), ("itl", "ITL (ms)"))
@@ -763,8 +768,7 @@ def plot_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     records = [json.loads(line) for path in args.records
                for line in Path(path).read_text().splitlines() if line.strip()]
-    finite = sum(1 for r in records if r.get("request_rate") is not None and math.isfinite(r["request_rate"]))
-    if not finite:
+    if not any(map(_on_rate_curve, records)):
         raise SystemExit(f"no record with a finite request rate among {len(records)}: nothing to plot "
                          "(runs at --request-rate inf are left out)")
     drawn = plot_rate_curves(records, Path(args.out))
