@@ -13,7 +13,7 @@ from ``/get_model_info``).
       a ``max_new_tokens=1`` call, decode tokens/s = B (N - 1) / (T(N) - T(1)).
     Both also report end-to-end output tokens/s (all output tokens / wall time, prefill
     included). transformers runs with the radixlm scheduler's torch thread count
-    (nproc - 1, see runtime/model_runner.py) and with torch's default (nproc).
+    (nproc - 1, see runtime/executor/model_runner.py) and with torch's default (nproc).
 (b) The multi-turn ShareGPT replay of ``examples/sharegpt_multiturn.py`` (imported, one
     implementation) with the radix cache on and off (``--disable-radix-cache``), same
     conversations: TTFT per turn index (mean / median) and the prefix-cache hit rates.

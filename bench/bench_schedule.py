@@ -6,7 +6,7 @@ planner tests do). Two measurements:
 
 (1) Prefix-cache token hit rate per policy: SGLang's generated shared prefix workload
     (``--groups`` x ``--prompts-per-group``, system prompt, question, output lengths;
-    runtime/cache_traces.py), prompts in shuffled order, into a small KV pool
+    runtime/bench/cache_traces.py), prompts in shuffled order, into a small KV pool
     (``--pool-tokens``) so that not every system prompt stays cached. ``burst``: all
     requests waiting at step 0; ``stream``: ``--arrivals-per-step`` join per step.
     Hit rate = cached prompt tokens at first admission / prompt tokens; also the
@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 
 from radixlm.radix import RadixTree
-from radixlm.runtime.cache_traces import SharedPrefixConfig, shared_prefix
-from radixlm.runtime.memory_pool import PageAllocator
+from radixlm.runtime.bench.cache_traces import SharedPrefixConfig, shared_prefix
+from radixlm.runtime.memory.page_allocator import PageAllocator
 from radixlm.runtime.messages import SamplingParams
-from radixlm.runtime.prefix_cache import PrefixCache
-from radixlm.runtime.request import Req
-from radixlm.runtime.schedule_policy import BatchPlanner
-from radixlm.runtime.waiting_order import SCHEDULE_POLICIES
+from radixlm.runtime.scheduler.planner import BatchPlanner
+from radixlm.runtime.scheduler.prefix_cache import PrefixCache
+from radixlm.runtime.scheduler.request import Req
+from radixlm.runtime.scheduler.waiting_order import SCHEDULE_POLICIES
 
 PAGE = 16
 

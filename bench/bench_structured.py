@@ -34,7 +34,7 @@ from gpu_e2e import (  # noqa: E402
     stream_generate,
 )
 
-from radixlm.runtime.server_process import ServerProcess  # noqa: E402
+from radixlm.runtime.bench.server_process import ServerProcess  # noqa: E402
 
 SCHEMA = {
     "type": "array",

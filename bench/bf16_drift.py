@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.attention import create_attention_backend
-from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.memory_pool import KVPool
-from radixlm.runtime.models import LlamaForCausalLM
+from radixlm.runtime.executor.attention import create_attention_backend
+from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.models import LlamaForCausalLM
+from radixlm.runtime.memory.kv_pool import KVPool
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_e2e import DEVICE, SHAPES, cast_parameters, prompts  # noqa: E402

@@ -34,8 +34,8 @@ import random
 from collections import defaultdict
 
 from radixlm.radix import EVICTION_POLICIES
-from radixlm.runtime.cache_sim import PageTrace, belady, gap_closed, replay
-from radixlm.runtime.cache_traces import MultiTurnConfig, TraceRequest, sharegpt_multiturn
+from radixlm.runtime.bench.cache_sim import PageTrace, belady, gap_closed, replay
+from radixlm.runtime.bench.cache_traces import MultiTurnConfig, TraceRequest, sharegpt_multiturn
 
 BUCKET = 512  # tokens per sequence-length bucket of the depth prior
 

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from radixlm.runtime.attention import create_attention_backend
-from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
-from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.memory_pool import KVPool
-from radixlm.runtime.models import LlamaForCausalLM
+from radixlm.runtime.executor.attention import create_attention_backend
+from radixlm.runtime.executor.cuda_graph_runner import CudaGraphRunner
+from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.models import LlamaForCausalLM
+from radixlm.runtime.memory.kv_pool import KVPool
 
 
 def copy_bandwidth(device: torch.device, gib: int = 4, reps: int = 20) -> float:

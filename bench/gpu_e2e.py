@@ -36,7 +36,7 @@ import httpx
 import orjson
 import torch
 
-from radixlm.runtime.server_process import ServerProcess
+from radixlm.runtime.bench.server_process import ServerProcess
 
 DEVICE = os.environ.get("GPU_E2E_DEVICE", "cuda")  # "cpu" for a dry run of this script
 
@@ -148,7 +148,7 @@ def load_real_model(model_path: str, dtype: torch.dtype):
     """(HF directory the server will use, transformers model on DEVICE in ``dtype``)."""
     from transformers import AutoModelForCausalLM
 
-    from radixlm.runtime.model_loader import resolve_model_path
+    from radixlm.runtime.executor.model_loader import resolve_model_path
 
     model_dir = Path(resolve_model_path(model_path))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()

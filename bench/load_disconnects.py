@@ -63,7 +63,7 @@ from typing import Any
 import httpx
 import orjson
 
-from radixlm.runtime.server_process import ServerProcess
+from radixlm.runtime.bench.server_process import ServerProcess
 
 APIS = ("generate", "completions", "chat")
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}

@@ -47,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
 
 from radixlm.runtime import messages as m  # noqa: E402
-from radixlm.runtime.bench_datasets import sharegpt_requests  # noqa: E402
-from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
-from radixlm.runtime.scheduler import Scheduler, freeze_startup_objects  # noqa: E402
+from radixlm.runtime.bench.datasets import sharegpt_requests  # noqa: E402
+from radixlm.runtime.bench.sharegpt import iter_records  # noqa: E402
+from radixlm.runtime.executor.model_runner import ModelRunner  # noqa: E402
+from radixlm.runtime.scheduler.scheduler import Scheduler, freeze_startup_objects  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
-from radixlm.runtime.sharegpt import iter_records  # noqa: E402
 
 BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 1 << 30)
 # Timed per step ("owner.method"): the planner, the launch and its parts, the results.

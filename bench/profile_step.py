@@ -44,9 +44,9 @@ from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
 from offline_trace import timed  # noqa: E402
 
 from radixlm.runtime import messages as m  # noqa: E402
-from radixlm.runtime.cuda_graph_runner import CudaGraphRunner  # noqa: E402
-from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
-from radixlm.runtime.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
+from radixlm.runtime.executor.model_runner import ModelRunner  # noqa: E402
+from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 

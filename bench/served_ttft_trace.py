@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_e2e import stream_generate  # noqa: E402
 from gpu_serving import prefix_ttft_4k  # noqa: E402
 
-from radixlm.runtime.server_process import ServerProcess  # noqa: E402
+from radixlm.runtime.bench.server_process import ServerProcess  # noqa: E402
 
 
 def main() -> None:

@@ -60,8 +60,8 @@ import httpx
 import openai
 from tqdm import tqdm
 
-from radixlm.runtime.server_process import ServerProcess
-from radixlm.runtime.sharegpt import iter_records
+from radixlm.runtime.bench.server_process import ServerProcess
+from radixlm.runtime.bench.sharegpt import iter_records
 
 __all__ = [
     "Conversation",

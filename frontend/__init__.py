@@ -7,7 +7,9 @@ HTTP; imports torch when created), ``openai_backend`` (OpenAI-compatible APIs).
 """
 
 if "." not in __name__:  # imported as top-level ``frontend`` from a checkout's root: not us
-    from radixlm import _defer_to_top_level
+    from radixlm_pkg import (
+        _defer_to_top_level,  # the checkout's own copy: radixlm may not be installed
+    )
 
     _defer_to_top_level(__name__, __file__)
 else:

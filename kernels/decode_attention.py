@@ -775,7 +775,7 @@ def decode_attention(
             and the page table holds logical pages. Each key is read from its page's FP8
             slot or dequantised from INT4 in registers (``_decode_tiered_kernel``; D >= 32).
         v_mean: [K, D] float32 contiguous channel means of an FP8 pool that stores centred
-            values (``radixlm.runtime.kv_calibration``): added to the output in the
+            values (``radixlm.runtime.executor.kv_calibration``): added to the output in the
             epilogue (the attention weights sum to one), or None.
         sink: exact attention sink of an FP8 pool (``radixlm.kernels.reference.Sink``:
             [C, K, D] float32 contiguous slots, [B] int32 slot per request, -1 none); not

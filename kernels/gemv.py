@@ -8,7 +8,7 @@ copy bandwidth on the MLP weights but 71-77% on the attention projections (qkv 4
 each). This kernel beats it at batch 1 on all four (``GemvConfig.for_k``); at batch 2 it
 wins on three and loses on gate_up, at batch 4 it loses on all (each row of x re-reads
 its tile from L2), so the model uses it for single-row inputs only
-(runtime/models/llama.py).
+(runtime/executor/models/llama.py).
 
 Fused variants (one launch where the model ran two or three at batch 1; each small kernel
 costs 1-3 us of a ~4 ms 8B step, bench/decode_step.py):

@@ -4,7 +4,7 @@ Dimension letters: B requests, T new tokens in the pass (sum of extend lengths),
 H query heads, K kv heads, D head dim, P pages, S page size, Pmax pages per request,
 L = prefix_len + extend_len (keys one request attends to).
 
-KV layout, one layer (see ``radixlm.runtime.memory_pool``)::
+KV layout, one layer (see ``radixlm.runtime.memory.kv_pool``)::
 
     k_pool[P, S, K, D]   v_pool[P, S, K, D]
     logical position t of request b  ->  page page_table[b, t // S], slot t % S
@@ -209,7 +209,7 @@ def store_kv(
         k_scale, v_scale: [K] float32 per-kv-head scales of an FP8 pool
             (``quantize_fp8``); None for float pools.
         k_mean, v_mean: [K, D] float32 channel means an FP8 pool subtracts before
-            quantising (``radixlm.runtime.kv_calibration``), or None.
+            quantising (``radixlm.runtime.executor.kv_calibration``), or None.
     """
     num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     assert k.shape == v.shape and k.shape[1:] == (num_kv_heads, head_dim), (k.shape, k_pool.shape)

@@ -21,7 +21,7 @@ power of two and masked).
 FP8 pools (float8_e4m3fn, with per-kv-head float32 scales ``k_scale``/``v_scale`` [K] and
 optional channel means ``k_mean``/``v_mean`` [K, D]): the kernel stores
 ``clamp((x - mean[k]) / scale[k], +-448)`` rounded to e4m3 (quantisation on the fly, same
-rounding as ``reference.quantize_fp8``; why the means: ``radixlm.runtime.kv_calibration``).
+rounding as ``reference.quantize_fp8``; why the means: ``radixlm.runtime.executor.kv_calibration``).
 
 Limits: D a power of two (16..256); K <= 64.
 

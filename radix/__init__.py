@@ -8,7 +8,9 @@ lives in radix/invariants.py. Imports only the standard library.
 from __future__ import annotations
 
 if "." not in __name__:  # imported as top-level ``radix`` from a checkout's root: not us
-    from radixlm import _defer_to_top_level
+    from radixlm_pkg import (
+        _defer_to_top_level,  # the checkout's own copy: radixlm may not be installed
+    )
 
     _defer_to_top_level(__name__, __file__)
 else:

@@ -51,7 +51,7 @@ rebuild once they outnumber the nodes.
 
 Listening: ``tree.listener`` (None by default) is told which prefixes may have changed
 length, so a scheduler can keep the match lengths of waiting requests current without
-re-matching them all (runtime/waiting_order.py): ``edge_changed(parent, first_page)``
+re-matching them all (runtime/scheduler/waiting_order.py): ``edge_changed(parent, first_page)``
 after the child of ``parent`` under ``first_page`` was added, split or removed;
 ``node_removed(node)`` just before a leaf is detached; ``reset()`` after ``reset``.
 ``peek_prefix`` is the read-only match it re-matches with.

@@ -30,11 +30,11 @@ benchmarks:
 
 def _bench_main(name: str):
     if name == "cache-sim":
-        from radixlm.runtime.cache_sim import main
+        from radixlm.runtime.bench.cache_sim import main
     elif name == "serving":
-        from radixlm.runtime.bench_serving import main
+        from radixlm.runtime.bench.serving import main
     elif name == "serving-plot":
-        from radixlm.runtime.bench_serving import plot_main as main
+        from radixlm.runtime.bench.serving import plot_main as main
     else:
         return None
     return main
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         _bench(rest)
         return
     if command in ("calibrate_kv_scales", "calibrate-kv-scales"):
-        from radixlm.runtime.kv_calibration import main as calibrate
+        from radixlm.runtime.executor.kv_calibration import main as calibrate
 
         sys.exit(calibrate(rest))
     print(f"radixlm: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

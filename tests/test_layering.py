@@ -1,7 +1,10 @@
-"""Packaging and dependency direction (ARCHITECTURE.md):
+"""Packaging and dependency direction (docs/ARCHITECTURE.md):
 
     frontend --HTTP--> runtime --> kernels --> torch, triton
                           \\-----> radix   --> stdlib only
+
+and inside the runtime, by process (RUNTIME_PACKAGES): server/ (tokenizer process) and
+scheduler/ + executor/ + memory/ (scheduler process) meet only in messages / ipc.
 
 except ``frontend/engine.py``: ``Engine()`` runs the runtime in-process, importing it
 inside the constructor only (so importing the frontend stays torch-free).
@@ -69,9 +72,9 @@ def _module_imports(folder: str) -> set[str]:
 
 
 def test_radix_imports_only_stdlib_and_itself():
-    for name in _module_imports("radix"):  # and radixlm's own stdlib-only __init__ (the checkout guard)
+    for name in _module_imports("radix"):  # and radixlm_pkg's stdlib-only guard (checkout root)
         top = name.split(".")[0]
-        assert top in sys.stdlib_module_names or name.startswith("radixlm.radix") or name == "radixlm", name
+        assert top in sys.stdlib_module_names or name.startswith("radixlm.radix") or name == "radixlm_pkg", name
 
 
 @pytest.mark.parametrize("folder,forbidden", [
@@ -84,9 +87,128 @@ def test_dependency_direction(folder, forbidden):
         assert not name.startswith(forbidden), f"{folder}/ imports {name}"
 
 
-@pytest.mark.parametrize(
-    "module", ["radixlm.radix", "radixlm.frontend", "radixlm.runtime.cache_sim"]
-)
+# radixlm.runtime's packages and what each may import of the others (module level and
+# inside functions alike). The launchers (launch_server, engine, cli) compose the two
+# processes and may import any of them.
+RUNTIME_PACKAGES = {
+    "messages": set(),
+    "ipc": {"messages"},
+    "server_args": {"memory", "scheduler"},  # choices come from the registries (torch-free)
+    "text": {"messages"},
+    "memory": set(),
+    "server": {"messages", "ipc", "server_args", "text"},
+    "executor": {"messages", "server_args", "memory", "text", "scheduler.decision",
+                 "scheduler.request"},
+    "scheduler": {"messages", "ipc", "server_args", "memory", "text", "executor"},
+    "bench": {"server_args", "executor.model_loader"},
+    "launch_server": {"messages", "ipc", "server_args", "server", "scheduler", "executor"},
+    "engine": {"messages", "ipc", "server_args", "server", "scheduler", "executor", "launch_server"},
+    "cli": {"launch_server", "bench", "executor.kv_calibration"},
+}
+TORCH_FREE = [
+    "radixlm.radix", "radixlm.frontend", "radixlm.runtime.server_args", "radixlm.runtime.messages",
+    "radixlm.runtime.memory.page_allocator", "radixlm.runtime.memory.cost_model",
+    "radixlm.runtime.scheduler.planner", "radixlm.runtime.scheduler.decision",
+    "radixlm.runtime.scheduler.prefix_cache", "radixlm.runtime.bench.cache_sim",
+    "radixlm.runtime.bench.serving",
+]
+
+
+def _import_nodes(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a file, inside functions too, except those under
+    ``if TYPE_CHECKING:`` (annotations only: they never run)."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+            and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+            for stmt in block.body for n in ast.walk(stmt)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skip]
+
+
+def _runtime_unit(path: Path) -> str:
+    """runtime/scheduler/planner.py -> "scheduler"; runtime/ipc.py -> "ipc"."""
+    rel = path.relative_to(ROOT / "runtime").with_suffix("").parts
+    return rel[0]
+
+
+def _runtime_edges() -> dict[str, set[str]]:
+    """package -> the runtime modules it imports (dotted below radixlm.runtime)."""
+    edges: dict[str, set[str]] = {}
+    for path in (ROOT / "runtime").rglob("*.py"):
+        if path.name == "__init__.py" and path.parent == ROOT / "runtime":
+            continue
+        unit = _runtime_unit(path)
+        for node in _import_nodes(path):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods = [node.module] if node.module != "radixlm.runtime" else [
+                    f"radixlm.runtime.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            edges.setdefault(unit, set()).update(
+                m.removeprefix("radixlm.runtime.") for m in mods if m.startswith("radixlm.runtime."))
+    return edges
+
+
+def _allowed(unit: str, target: str) -> bool:
+    top = target.split(".")[0]
+    if top == unit:
+        return True
+    rules = RUNTIME_PACKAGES[unit]
+    return any(target == r or target.startswith(r + ".") for r in rules)
+
+
+def test_runtime_package_list_matches_the_tree():
+    units = {_runtime_unit(p) for p in (ROOT / "runtime").rglob("*.py") if p.parent != ROOT / "runtime"
+             or p.name != "__init__.py"}
+    assert units == set(RUNTIME_PACKAGES)
+
+
+def test_runtime_dependency_directions():
+    bad = [(u, t) for u, targets in _runtime_edges().items() for t in sorted(targets) if not _allowed(u, t)]
+    assert not bad, f"imports against the layering: {bad}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every radixlm module -> the radixlm modules it imports, inside functions too (a lazy
+    import hides a cycle from the interpreter, not from the reader)."""
+    graph: dict[str, set[str]] = {}
+    for folder, name in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("").parts
+            mod = ".".join([name, *(rel[:-1] if rel[-1] == "__init__" else rel)])
+            deps = set()
+            for node in _import_nodes(path):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    deps.add(node.module)
+                    deps.update(f"{node.module}.{a.name}" for a in node.names)
+                elif isinstance(node, ast.Import):
+                    deps.update(a.name for a in node.names)
+            graph[mod] = deps
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_no_import_cycles():
+    graph = _module_graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(mod: str, stack: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1 and not mod.startswith(dep + ".") and not dep.startswith(mod + "."):
+                cycles.append(stack[stack.index(dep):] + [mod, dep] if dep in stack else [mod, dep])
+            elif dep not in state:
+                visit(dep, stack + [mod])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
 def test_torch_free_imports(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -96,7 +218,7 @@ def test_cli_choices_match_registries():
     import dataclasses
 
     from radixlm.radix import EVICTION_POLICIES
-    from radixlm.runtime.attention import attention_backend_choices
+    from radixlm.runtime.executor.attention import attention_backend_choices
     from radixlm.runtime.server_args import ServerArgs
 
     fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
@@ -124,3 +246,14 @@ def test_a_checkout_root_on_sys_path_shadows_no_top_level_package(folder):
     expected = "('namespace', [])\n" if want.stdout == "none\n" else want.stdout
     assert got.stdout == expected, f"from the checkout root, import {folder} gave {got.stdout!r}"
     assert str(ROOT / folder) not in got.stdout
+
+
+@pytest.mark.parametrize("folder", sorted(FOLDERS))
+def test_the_checkout_root_shadows_nothing_where_radixlm_is_not_installed(folder):
+    """A peer server (vLLM, SGLang) started from the checkout root runs in an environment
+    without radixlm: ``import kernels`` there must not fail inside radixlm's guard.
+    ``python -S`` leaves site-packages (and radixlm's editable install) off sys.path."""
+    code = f"import {folder} as m; print(m.__file__, [a for a in vars(m) if not a.startswith('__')])"
+    got = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == "None []\n", got.stdout

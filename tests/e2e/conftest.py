@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixlm.runtime.server_process import ServerProcess
+from radixlm.runtime.bench.server_process import ServerProcess
 
 STARTUP_TIMEOUT_S = 240
 _counter = itertools.count()

@@ -14,7 +14,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from radixlm.runtime.scheduler import usable_cores
+from radixlm.runtime.scheduler.scheduler import usable_cores
 
 MODEL = "default"
 PROMPT = "The capital of France is"

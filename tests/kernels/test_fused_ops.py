@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.kernels.fused_ops import fused_add_rmsnorm, rmsnorm, rotary_embedding_, silu_and_mul
-from radixlm.runtime.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+from radixlm.runtime.executor.models.llama import RMSNorm, RotaryEmbedding, apply_rope
 
 from .conftest import DEVICE
 
@@ -76,7 +76,7 @@ def test_rope_with_the_key_rotation_matches_apply_rope_then_the_matmuls(
 ) -> None:
     """rotary_embedding_(..., rotation) = apply_rope then @ R / D (q) and @ R (k), the
     rotation fused into the RoPE launch for D >= 32; q . k per head is unchanged."""
-    from radixlm.runtime.memory_pool import key_rotation
+    from radixlm.runtime.memory.kv_pool import key_rotation
 
     torch.manual_seed(3)
     rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0})

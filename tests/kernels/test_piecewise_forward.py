@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs (runtime/piecewise_cuda_graph.py): the pieces, run one after the
+"""Piecewise CUDA graphs (runtime/executor/piecewise_cuda_graph.py): the pieces, run one after the
 other with the eager attention between them, equal the fused model's forward pass over a
 mixed batch (prefill, cached-prefix chunk, decode rows), padding rows write only the dummy
 page; on CUDA the captured graphs too. On the CPU under the Triton interpreter (conftest)."""
@@ -13,10 +13,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from radixlm.runtime.forward_batch import ForwardBatch  # noqa: E402
-from radixlm.runtime.memory_pool import KVPool, PageAllocator  # noqa: E402
-from radixlm.runtime.model_loader import load_model  # noqa: E402
-from radixlm.runtime.piecewise_cuda_graph import PiecewiseGraphs, piecewise_sizes  # noqa: E402
+from radixlm.runtime.executor.forward_batch import ForwardBatch  # noqa: E402
+from radixlm.runtime.executor.model_loader import load_model  # noqa: E402
+from radixlm.runtime.executor.piecewise_cuda_graph import PiecewiseGraphs, piecewise_sizes  # noqa: E402
+from radixlm.runtime.memory.kv_pool import KVPool  # noqa: E402
+from radixlm.runtime.memory.page_allocator import PageAllocator  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
 

@@ -13,15 +13,15 @@ import torch
 pytest.importorskip("triton")
 
 from radixlm.kernels import reference  # noqa: E402
-from radixlm.runtime import attention  # noqa: E402
-from radixlm.runtime.attention import (  # noqa: E402
+from radixlm.runtime.executor import attention  # noqa: E402
+from radixlm.runtime.executor.attention import (  # noqa: E402
     TorchAttentionBackend,
     TritonAttentionBackend,
     attention_backend_choices,
     create_attention_backend,
 )
-from radixlm.runtime.forward_batch import ForwardBatch  # noqa: E402
-from radixlm.runtime.memory_pool import KVPool  # noqa: E402
+from radixlm.runtime.executor.forward_batch import ForwardBatch  # noqa: E402
+from radixlm.runtime.memory.kv_pool import KVPool  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
 
@@ -194,8 +194,8 @@ def test_model_on_the_triton_backend_uses_fused_kernels_and_matches_torch(tiny_h
     import random
 
     from radixlm.kernels import gemv as gemv_module
-    from radixlm.runtime.model_loader import load_model
-    from radixlm.runtime.models import llama
+    from radixlm.runtime.executor.model_loader import load_model
+    from radixlm.runtime.executor.models import llama
 
     calls: list[str] = []
     if gemv == "forced":
@@ -235,8 +235,8 @@ def test_fused_rope_applies_the_pool_key_rotation(tiny_hf_model) -> None:
     Float pools: the FP8 Triton kernels do not run under the CPU interpreter."""
     import random
 
-    from radixlm.runtime.memory_pool import key_rotation
-    from radixlm.runtime.model_loader import load_model
+    from radixlm.runtime.executor.model_loader import load_model
+    from radixlm.runtime.memory.kv_pool import key_rotation
 
     model_dir = tiny_hf_model(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})[0]  # fmt: skip

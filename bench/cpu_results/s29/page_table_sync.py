@@ -7,8 +7,8 @@ import timeit
 
 import torch
 
-from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
-from radixlm.runtime.memory_pool import KVPool
+from radixlm.runtime.executor.cuda_graph_runner import CudaGraphRunner
+from radixlm.runtime.memory.kv_pool import KVPool
 
 pool = KVPool(2048, 16, 1, 1, 8, torch.float32, "cpu")
 runner = CudaGraphRunner.__new__(CudaGraphRunner)

@@ -13,7 +13,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from radixlm.runtime.protocol import GenerateRequest
+from radixlm.runtime.server.protocol import GenerateRequest
 
 rng = random.Random(7)
 body = json.dumps(
@@ -25,7 +25,7 @@ body = json.dumps(
 ).encode()
 app = FastAPI()
 if sys.argv[1:] == ["orjson"]:
-    from radixlm.runtime.http_server import OrjsonRoute
+    from radixlm.runtime.server.http_server import OrjsonRoute
     app.router.route_class = OrjsonRoute
 
 

@@ -25,8 +25,8 @@ from gpu_e2e import DEVICE, build_checkpoint
 from profile_step import HostOnlyGraphs
 
 from radixlm.runtime import messages as m
-from radixlm.runtime.model_runner import ModelRunner
-from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 
 

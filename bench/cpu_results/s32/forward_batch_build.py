@@ -8,7 +8,7 @@ import random
 import statistics
 import timeit
 
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.executor.forward_batch import ForwardBatch
 
 rng = random.Random(0)
 S = 16

@@ -21,10 +21,10 @@ from gpu_e2e import build_checkpoint  # noqa: E402
 from launch_probe import CALLS, wrap  # noqa: E402  (a timer around each call, session 31)
 from profile_step import HostOnlyGraphs, churn  # noqa: E402
 
-from radixlm.runtime import schedule_policy  # noqa: E402
-from radixlm.runtime.cuda_graph_runner import CudaGraphRunner, PageTableRows  # noqa: E402
-from radixlm.runtime.model_runner import ModelRunner, PendingStep  # noqa: E402
-from radixlm.runtime.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.executor.cuda_graph_runner import CudaGraphRunner, PageTableRows  # noqa: E402
+from radixlm.runtime.executor.model_runner import ModelRunner, PendingStep  # noqa: E402
+from radixlm.runtime.scheduler import planner as schedule_policy  # noqa: E402
+from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 

@@ -26,9 +26,9 @@ sys.path.insert(0, "bench")
 from gpu_e2e import build_checkpoint  # noqa: E402
 from profile_step import churn  # noqa: E402
 
-from radixlm.runtime import model_runner as mr  # noqa: E402
-from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
-from radixlm.runtime.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.executor import model_runner as mr  # noqa: E402
+from radixlm.runtime.executor.model_runner import ModelRunner  # noqa: E402
+from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 CALLS: dict[str, list[float]] = {}

@@ -35,8 +35,8 @@ sys.path.insert(0, "bench")
 from gpu_e2e import build_checkpoint, server_flags  # noqa: E402
 from gpu_serving import scheduler_counters  # noqa: E402
 
-from radixlm.runtime import bench_serving  # noqa: E402
-from radixlm.runtime.server_process import ServerProcess  # noqa: E402
+from radixlm.runtime.bench import serving as bench_serving  # noqa: E402
+from radixlm.runtime.bench.server_process import ServerProcess  # noqa: E402
 
 FIGURES = ("output_throughput", "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "mean_tpot_ms",
            "median_ttft_ms", "p99_ttft_ms", "completed", "failed", "duration_s")

@@ -12,13 +12,13 @@ import sys
 from transformers import AutoTokenizer
 
 from radixlm.radix import RadixTree
-from radixlm.runtime.bench_datasets import sharegpt_requests
-from radixlm.runtime.memory_pool import PageAllocator
+from radixlm.runtime.bench.datasets import sharegpt_requests
+from radixlm.runtime.bench.sharegpt import iter_records
+from radixlm.runtime.memory.page_allocator import PageAllocator
 from radixlm.runtime.messages import SamplingParams
-from radixlm.runtime.prefix_cache import PrefixCache
-from radixlm.runtime.request import Req
-from radixlm.runtime.schedule_policy import BatchPlanner
-from radixlm.runtime.sharegpt import iter_records
+from radixlm.runtime.scheduler.planner import BatchPlanner
+from radixlm.runtime.scheduler.prefix_cache import PrefixCache
+from radixlm.runtime.scheduler.request import Req
 
 PAGE = 16
 W, F, K, C = 3.45, 16e9 / 650e12 * 1e3, 131072 / 4.3e12 * 1e3, 0.45  # ms, ms per token, ms per KV token, ms

@@ -1,0 +1,409 @@
+"""Attention backends: how one layer stores new K/V into the paged pool and attends.
+
+The model is generic over the backend: every attention layer calls
+``backend.forward(q, k, v, layer_id, batch, pool)``. Backends are registered by name in
+``ATTENTION_BACKENDS``; its keys (plus "auto") are the CLI choices of
+``--attention-backend``.
+
+Dimension letters: T new tokens in the pass, H query heads, K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixlm.kernels import reference
+from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.memory.kv_pool import KVPool
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "TorchAttentionBackend",
+    "TritonAttentionBackend",
+    "attention_backend_choices",
+    "create_attention_backend",
+]
+
+
+# Fewest leading decode rows for which a mixed pass launched from Python splits its attention
+# (``_split_mixed``): the second launch costs ~0.1-0.15 ms of host time per layer, which a few
+# decode rows do not repay (8B on an H100, BENCHMARKS.md: ~250 decode rows gained ~12 ms a
+# step, <50 lost ~2). A pass whose launches are replayed (``static_layers``) splits from one.
+MIXED_SPLIT_MIN_DECODES = 64
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one forward pass, called once per layer.
+
+    Contract of ``forward``:
+      * write ``k``/``v`` of the new tokens into ``pool.k[layer_id]`` / ``pool.v[layer_id]``
+        at ``batch.out_slots`` (flat slot = page * S + offset);
+      * return, for every new token, causal attention over its request's whole sequence
+        (cached prefix pages + the new tokens up to itself), softmax scale ``D ** -0.5``,
+        GQA head mapping ``h -> h // (H // K)``;
+      * inputs may be strided views (last dim contiguous); output is [T, H, D], q's dtype,
+        written into ``out`` when given (contiguous rows, last dim contiguous) and returned;
+      * FP8-slot pools with channel means store centred K/V (``KVPool`` doc) and add
+        ``v_mean`` back to the output (``KVPool.add_v_mean``);
+      * pools with an exact attention sink: write ``batch.sink_rows`` into their slots
+        (``KVPool.write_sink``) after the pages, and read position 0 of request b from
+        slot ``batch.sink_slots[b]`` where it is >= 0 (``_sink``).
+
+    ``prepare(batch, pool)`` is called once per forward pass before layer 0, so a backend
+    can build per-batch metadata (split sizes, CUDA-graph buffers) once, not per layer.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:  # noqa: B027 - optional hook
+        """Per-pass setup hook; the default does nothing."""
+
+    def static_layers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      batch: ForwardBatch, pool: KVPool) -> Callable[[int], None]:
+        """Every layer's attention of one pass (after ``prepare``) whose queries and outputs
+        live in static buffers (the piecewise CUDA graphs): returns ``attend(layer_id)``,
+        which writes layer ``layer_id``'s attention of ``q`` [T, H, D] (holding that layer's
+        queries; its K / V, ``k`` / ``v`` [T, K, D], already stored in the pool) into ``out``
+        [T, H, D]. Call it for layers 0, 1, ... in order. The default calls ``forward``."""
+
+        def attend(layer_id: int) -> None:
+            self.forward(q, k, v, layer_id, batch, pool, kv_stored=True, out=out)
+
+        return attend
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        pool: KVPool,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, K, D] -> attention output [T, H, D]. Writes k / v into the
+        pool at ``batch.out_slots`` first, unless ``kv_stored`` (the caller did; float pools
+        without an attention sink only)."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend in plain PyTorch (``radixlm.kernels.reference``); runs anywhere.
+
+    Tiered pools (int4 / mixed): new tokens go to their pages' FP8 slots; every layer then
+    dequantises the pages the batch's page table names (``KVPool.dequantize_pages``) into a
+    compact float32 pool and attends over that with the page table renumbered (``prepare``).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__(device)
+        self._pages: torch.Tensor | None = None  # tiered: unique pages of the batch [U]
+        self._table: torch.Tensor | None = None  # page table renumbered into them [B, Pmax]
+
+    def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
+        if not pool.tiered:
+            return
+        pages, inverse = torch.unique(batch.page_table.long(), return_inverse=True)
+        self._pages, self._table = pages, inverse.to(torch.int32)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        pool: KVPool,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
+        k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
+        means = pool.k_mean[layer_id], pool.v_mean[layer_id]
+        page_table = batch.page_table
+        if pool.tiered:
+            slots = pool.fp8_slots_of(batch.out_slots)
+            reference.store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale, *means)
+            assert self._pages is not None and self._table is not None, "prepare() not called"
+            k_pool, v_pool = pool.dequantize_pages(layer_id, self._pages)  # [U, S, K, D] float32
+            page_table, k_scale, v_scale = self._table, None, None
+        elif not kv_stored:
+            reference.store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale, *means)
+        sink = _sink(k, v, layer_id, batch, pool)
+        scale = q.shape[-1] ** -0.5
+        if batch.is_decode:
+            seq_lens = [p + 1 for p in batch.prefix_lens_cpu]
+            result = reference.paged_decode_attention(
+                q, k_pool, v_pool, page_table, seq_lens, scale, k_scale, v_scale, sink
+            )
+        else:
+            result = reference.paged_attention(
+                q,
+                k_pool,
+                v_pool,
+                page_table,
+                batch.prefix_lens_cpu,
+                batch.extend_lens_cpu,
+                scale=scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                sink=sink,
+            )
+        result = pool.add_v_mean(result, layer_id)
+        return result if out is None else out.copy_(result)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged kernels (``radixlm.kernels.{store_kv,decode_attention,extend_attention}``).
+
+    Per layer: store_kv, then the split-KV decode kernel for a pure decode step or the
+    extend kernel otherwise (a mixed step with many leading decodes: both, ``_split_mixed``). The split count comes from the batch's host-side lengths once
+    per pass (no device sync): decode's in ``prepare``, the extend's (``extend_num_splits``:
+    short extends over a long cached prefix take the split-KV extend path) in the first
+    layer, which knows the query heads; that layer allocates the scratch, the others reuse it. Runs on CUDA; on CPU only under
+    ``TRITON_INTERPRET=1``.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__(device)
+        if not _triton_available():
+            raise ImportError("the triton attention backend needs the 'triton' package")
+        from radixlm.kernels import decode_attention as decode
+        from radixlm.kernels import extend_attention as extend
+        from radixlm.kernels.store_kv import store_kv
+
+        self._decode, self._extend_mod, self._store_kv = decode, extend, store_kv
+        self._num_splits: int | None = 1
+        self._max_seq = 0
+        self._workspace: Any = None
+        self._mixed: _MixedSplit | None = None  # a mixed pass's two launches (prepare)
+
+    def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
+        self._workspace = None
+        self._mixed = None
+        max_seq = max(
+            p + e for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True)
+        )
+        self._max_seq = max_seq
+        self._num_splits = None  # extend: set by the first layer (it knows the query heads)
+        if batch.is_decode:
+            config = self._decode.default_decode_config(pool.dtype, pool.tiered, batch.batch_size)  # the kernel's
+            self._num_splits = self._decode.decode_num_splits(
+                batch.batch_size, pool.num_kv_heads, max_seq, self.device, config
+            )
+        else:
+            self._mixed = self._split_mixed(batch, pool)
+
+    def static_layers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      batch: ForwardBatch, pool: KVPool) -> Callable[[int], None]:
+        """As the base class, launched once: layer 0 runs ``forward`` while its kernel
+        launches are recorded (``radixlm.kernels.launch``), later layers replay them with
+        their own K / V pools swapped in (the query / output buffers, grid, split counts and
+        the batch's tensors are the pass's). That skips Triton's Python launch path and the
+        wrappers' checks for 2-4 kernels a layer: a paced mixed step of the 8B shape launched
+        ~1.4-1.8x faster (H100 hosts, BENCHMARKS.md 2026-12-06). Float pools
+        without an attention sink only (a scale, channel mean or sink differs per layer);
+        others take the base class's ``forward`` per layer."""
+        if pool.quantised or pool.tiered or pool.has_sink:
+            return super().static_layers(q, k, v, out, batch, pool)
+        from radixlm.kernels.launch import record
+
+        if self._mixed is None and not batch.is_decode:  # a replayed split costs microseconds
+            self._mixed = self._split_mixed(batch, pool, min_decodes=1)
+
+        launches: list = []
+        slots: list = []
+        stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None
+
+        def attend(layer_id: int) -> None:
+            pools = (pool.k[layer_id], pool.v[layer_id])
+            if not launches:
+                with record() as recorded:
+                    self.forward(q, k, v, layer_id, batch, pool, kv_stored=True, out=out)
+                launches.extend(recorded)
+                slots.extend(r.positions(pools) for r in recorded)
+                return
+            for r, where in zip(launches, slots, strict=True):
+                r.replay(where, pools, stream)
+
+        return attend
+
+    def _split_mixed(self, batch: ForwardBatch, pool: KVPool, min_decodes: int | None = None) -> _MixedSplit | None:
+        """A mixed pass whose first d requests decode one token each (the planner schedules
+        running requests first) and whose others extend: their attention as two launches,
+        the decode kernel over the d rows and the extend kernel over the rest. The extend
+        kernel's programs are per query head and BLOCK_M rows, so a decode row there reads
+        its keys once per head of its group and computes a mostly empty tile: a step of
+        ~250 decodes and one prefill chunk took ~3x the time of the decode step alone (8B
+        on an H100, BENCHMARKS.md). None (the one extend launch) below ``min_decodes``
+        (default ``MIXED_SPLIT_MIN_DECODES``) leading decodes, and for FP8 / INT4 pools and
+        pools with an attention sink (float pools only)."""
+        lens = batch.extend_lens_cpu
+        d = 0
+        while d < len(lens) and lens[d] == 1:
+            d += 1
+        least = MIXED_SPLIT_MIN_DECODES if min_decodes is None else min_decodes
+        if d < least or pool.quantised or pool.tiered or pool.has_sink:
+            return None
+        dec_seq = max(batch.prefix_lens_cpu[:d]) + 1
+        config = self._decode.default_decode_config(pool.dtype, False, d)
+        splits = self._decode.decode_num_splits(d, pool.num_kv_heads, dec_seq, self.device, config)
+        ext_seq = max(p + e for p, e in zip(batch.prefix_lens_cpu[d:], lens[d:], strict=True))
+        return _MixedSplit(d, splits, batch.cu_extend[d:] - d, max(lens[d:]), ext_seq)
+
+    def _scratch(self, rows: int, num_heads: int, head_dim: int) -> Any:
+        """The [rows, H, N, D] split scratch of this pass (None when N = 1)."""
+        shape = (rows, num_heads, self._num_splits)
+        work = self._workspace
+        if self._num_splits > 1 and (work is None or tuple(work.partial_lse.shape) != shape):
+            self._workspace = self._decode.DecodeWorkspace.allocate(  # [rows, H, N, D] scratch
+                rows, num_heads, self._num_splits, head_dim, self.device
+            )
+        return self._workspace
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        pool: KVPool,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        k_pool, v_pool = pool.k[layer_id], pool.v[layer_id]
+        k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
+        slots, tiered = batch.out_slots, None
+        if pool.tiered:  # new tokens go to FP8 slots; the kernels also read INT4 pages
+            slots = pool.fp8_slots_of(batch.out_slots)
+            tiered = self._decode.TieredPages(
+                pool.fp8_slot, pool.k_codes[layer_id], pool.k_stat[layer_id],
+                pool.v_codes[layer_id], pool.v_stat[layer_id],
+            )  # fmt: skip
+        if not kv_stored:
+            self._store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale,
+                           pool.k_mean[layer_id], pool.v_mean[layer_id])  # fmt: skip
+        sink = _sink(k, v, layer_id, batch, pool)
+        if not pool.quantised:
+            q = q.to(k_pool.dtype)
+        scale = q.shape[-1] ** -0.5
+        if self._mixed is not None:
+            return self._forward_mixed(q, k_pool, v_pool, batch, pool, scale, out)
+        if self._num_splits is None:
+            self._num_splits = self._extend_mod.extend_num_splits(
+                batch.batch_size, q.shape[1], pool.num_kv_heads, max(batch.extend_lens_cpu),
+                self._max_seq, self.device,
+            )  # fmt: skip
+        work = self._scratch(q.shape[0], q.shape[1], q.shape[2])
+        if not batch.is_decode:  # channel means: decode adds v_mean in its epilogue
+            out = self._extend_mod.extend_attention(
+                q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
+                scale, max_extend_len=max(batch.extend_lens_cpu), k_scale=k_scale, v_scale=v_scale,
+                num_splits=self._num_splits, workspace=work, tiered=tiered, sink=sink, out=out,
+            )  # fmt: skip
+            return pool.add_v_mean(out, layer_id)
+        return self._decode.decode_attention(
+            q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
+            num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
+            tiered=tiered, v_mean=pool.v_mean[layer_id], sink=sink, out=out,
+        )  # fmt: skip
+
+    def _forward_mixed(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
+                       pool: KVPool, scale: float, out: torch.Tensor | None) -> torch.Tensor:
+        """``forward``'s attention for a ``_split_mixed`` pass: the decode rows :d, then the
+        extend rows, into one [T, H, D] output (``out`` when given)."""
+        mixed = self._mixed
+        d, (rows, heads, head_dim) = mixed.decode_rows, q.shape
+        if mixed.ext_splits is None:  # first layer: it knows the query heads
+            mixed.ext_splits = self._extend_mod.extend_num_splits(
+                batch.batch_size - d, heads, pool.num_kv_heads, mixed.max_extend, mixed.ext_seq, self.device)
+            if mixed.dec_splits > 1:
+                mixed.dec_work = self._decode.DecodeWorkspace.allocate(d, heads, mixed.dec_splits, head_dim,
+                                                                       self.device)  # fmt: skip
+            if mixed.ext_splits > 1:
+                mixed.ext_work = self._decode.DecodeWorkspace.allocate(rows - d, heads, mixed.ext_splits, head_dim,
+                                                                       self.device)  # fmt: skip
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a view of the QKV rows
+        self._decode.decode_attention(
+            q[:d], k_pool, v_pool, batch.page_table[:d], batch.seq_lens[:d], scale, num_splits=mixed.dec_splits,
+            out=out[:d], workspace=mixed.dec_work)  # fmt: skip
+        self._extend_mod.extend_attention(
+            q[d:], k_pool, v_pool, batch.page_table[d:], mixed.cu_extend, batch.prefix_lens[d:], scale,
+            max_extend_len=mixed.max_extend, out=out[d:], num_splits=mixed.ext_splits, workspace=mixed.ext_work)
+        return out
+
+
+@dataclass(slots=True)
+class _MixedSplit:
+    """A mixed pass's two attention launches (``TritonAttentionBackend._split_mixed``)."""
+
+    decode_rows: int  # d: requests (and rows) 0..d-1 decode one token each
+    dec_splits: int  # the decode kernel's split count for them
+    cu_extend: torch.Tensor  # [B - d + 1] int32, the extend requests' cumulative lengths from 0
+    max_extend: int
+    ext_seq: int  # longest extend request's sequence (host)
+    ext_splits: int | None = None  # set by the first layer
+    dec_work: Any = None
+    ext_work: Any = None
+
+
+def _sink(k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool
+          ) -> reference.Sink | None:
+    """The exact attention sink of this layer (None when the pool keeps none or the batch
+    carries no slots), after writing the pass's position-0 K/V (k/v [T, K, D]) into the
+    slots it claimed."""
+    if not pool.has_sink or batch.sink_slots is None:
+        return None
+    if batch.sink_rows is not None:
+        pool.write_sink(layer_id, k, v, batch.sink_rows, batch.sink_write_slots)
+    return reference.Sink(pool.sink_k[layer_id], pool.sink_v[layer_id], batch.sink_slots)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "triton": TritonAttentionBackend,
+}
+
+
+def attention_backend_choices() -> tuple[str, ...]:
+    """Names accepted by ``create_attention_backend`` (for CLI ``choices``)."""
+    return ("auto", *ATTENTION_BACKENDS)
+
+
+def _auto_backend(device: torch.device) -> str:
+    """The backend "auto" resolves to: triton on CUDA when triton imports, else torch."""
+    if device.type == "cuda" and _triton_available():
+        return "triton"
+    return "torch"
+
+
+def create_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """Instantiate the backend registered as ``name`` ("auto" picks one for ``device``).
+
+    Raises ValueError for an unknown name, listing the choices.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        name = _auto_backend(device)
+    if name not in ATTENTION_BACKENDS:
+        choices = ", ".join(attention_backend_choices())
+        raise ValueError(f"unknown attention backend {name!r}; choices: {choices}")
+    return ATTENTION_BACKENDS[name](device)

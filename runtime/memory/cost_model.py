@@ -1,0 +1,45 @@
+"""Load or recompute: the cost model that decides whether KV computed once is worth moving
+to a lower memory tier and back (a preempted request's swap) rather than computed again.
+Torch-free: inputs are byte and FLOP counts, outputs seconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEVICE_RATES", "SwapCostModel"]
+
+
+# (host link bytes/s one way, sustained FLOP/s of a prefill) by device type. CUDA: the
+# H200 host's pinned copies (55 GB/s) and an 8B prefill in transformers (4096 tokens in
+# 145 ms ~ 450 TFLOP/s), both from PERFORMANCE.md, rounded down. CPU: a memcpy of a few
+# GB/s and ~50 GFLOP/s for a 2-core fp32 forward (both conservative guesses).
+DEVICE_RATES: dict[str, tuple[float, float]] = {"cuda": (50e9, 4e14), "cpu": (5e9, 5e10)}
+
+
+@dataclass(frozen=True)
+class SwapCostModel:
+    """Swap or recompute a preempted request's ``n`` computed tokens?
+
+    swap: ``2 * n * kv_bytes_per_token / link_bytes_per_s`` (out now, back on resume);
+    recompute: ``(2 * params * n + 2 * layers * q_heads * head_dim * n**2) / flops_per_s``
+    (the weight matmuls, plus causal attention's QK^T and PV over n^2/2 pairs). Both in
+    seconds. It ignores that the radix tree may still hold the page-aligned part at resume
+    (then recompute costs less), so it leans towards swapping.
+    """
+
+    kv_bytes_per_token: int
+    params: int
+    num_layers: int
+    q_dim: int  # query heads x head dim
+    link_bytes_per_s: float
+    flops_per_s: float
+
+    def swap_seconds(self, tokens: int) -> float:
+        return 2 * tokens * self.kv_bytes_per_token / self.link_bytes_per_s
+
+    def recompute_seconds(self, tokens: int) -> float:
+        flops = 2 * self.params * tokens + 2 * self.num_layers * self.q_dim * tokens**2
+        return flops / self.flops_per_s
+
+    def swap_is_cheaper(self, tokens: int) -> bool:
+        return self.swap_seconds(tokens) < self.recompute_seconds(tokens)

@@ -1,0 +1,165 @@
+"""PrefixCache: the adapter between the torch-free radix tree and the page allocator.
+
+It owns the page accounting of the scheduler. Every allocatable page is in exactly one
+of three places:
+
+    free (allocator)  |  cached in the radix tree  |  owned by one request (not in the tree)
+
+A request's page table starts with pages owned by the tree (shared, locked through the
+request's ``tree_node``) followed by its own pages:
+
+    req.pages: [ t0 t1 t2 | o3 o4 o5 ]      num_tree_pages = 3
+                 tree       own (freed or inserted into the tree when the request ends)
+
+Inserting a request's computed full pages may find some of them already cached (another
+request computed the same tokens at the same time, case C02): the request then switches
+its page table to the tree's copies and frees its duplicates; it never frees a page the
+tree holds. With the radix cache disabled ``tree`` is None and all pages are owned.
+"""
+
+from __future__ import annotations
+
+from radixlm.radix import RadixTree
+from radixlm.runtime.memory.page_allocator import PageAllocator
+from radixlm.runtime.scheduler.request import Req
+
+__all__ = ["PrefixCache"]
+
+
+class PrefixCache:
+    def __init__(self, allocator: PageAllocator, tree: RadixTree | None, page_size: int) -> None:
+        self.allocator = allocator
+        self.tree = tree
+        self.page_size = page_size
+        self.num_evicted_pages = 0
+
+    # ----------------------------------------------------------------- admission
+    def match_and_lock(self, req: Req, max_tokens: int) -> int:
+        """Point ``req`` at the longest cached page-aligned prefix of its first
+        ``max_tokens`` tokens and lock it. Returns the number of reused tokens."""
+        assert not req.pages and req.tree_node is None, "request already holds KV"
+        if self.tree is None or max_tokens < self.page_size:
+            return 0
+        match = self.tree.match_prefix(req.token_array(max_tokens))
+        if match.num_tokens == 0:
+            return 0
+        self.tree.inc_lock(match.node)
+        req.tree_node = match.node
+        req.pages = list(match.pages)
+        req.num_tree_pages = len(match.pages)
+        req.num_computed = match.num_tokens
+        return match.num_tokens
+
+    # ----------------------------------------------------------------- allocation
+    @property
+    def available_pages(self) -> int:
+        """Pages obtainable now: free + evictable from the tree."""
+        evictable = self.tree.evictable_pages if self.tree is not None else 0
+        return self.allocator.num_free + evictable
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` pages, evicting unlocked tree leaves if needed; None if impossible
+        (nothing is taken then)."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.tree is not None:
+            evicted = self.tree.evict(short)
+            self.num_evicted_pages += len(evicted)
+            self.allocator.free(evicted)
+        return self.allocator.alloc(n)
+
+    def grow(self, req: Req, num_tokens: int) -> bool:
+        """Make ``req.pages`` cover ``num_tokens`` positions. False if out of pages."""
+        need = -(-num_tokens // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    # ----------------------------------------------------------------- caching / release
+    def cache(self, req: Req) -> None:
+        """Insert the request's computed full pages into the tree and re-lock the new
+        end node. Duplicate pages (already cached by someone else) are swapped for the
+        tree's copies and freed."""
+        if self.tree is None:
+            return
+        # KV of an in-flight token may be computed already, its id is not known yet.
+        num_pages = min(min(req.num_computed, req.num_known) // self.page_size, len(req.pages))
+        if num_pages <= req.num_tree_pages:
+            return
+        result = self.tree.insert(req.token_array(num_pages * self.page_size), req.pages[:num_pages])
+        dup = [mine for mine, kept in zip(req.pages, result.pages, strict=False) if mine != kept]
+        req.pages[:num_pages] = result.pages
+        self.tree.inc_lock(result.node)
+        if req.tree_node is not None:
+            self.tree.dec_lock(req.tree_node)
+        req.tree_node = result.node
+        req.num_tree_pages = num_pages
+        self.allocator.free(dup)
+
+    def release(self, req: Req, keep_in_cache: bool = True) -> None:
+        """Drop the request's KV: insert what is reusable (if ``keep_in_cache``), unlock,
+        free its own pages. Afterwards the request holds nothing."""
+        if keep_in_cache:
+            self.cache(req)
+        if self.tree is not None and req.tree_node is not None:
+            self.tree.dec_lock(req.tree_node)
+        self.allocator.free(req.pages[req.num_tree_pages :])
+        req.pages, req.num_tree_pages, req.tree_node, req.num_computed = [], 0, None, 0
+
+    def flush(self) -> bool:
+        """Drop every cached prefix. False (nothing done) while any request holds a lock."""
+        if self.tree is None:
+            return True
+        if self.tree.protected_pages > 0:
+            return False
+        self.allocator.free(self.tree.reset())
+        return True
+
+    # ----------------------------------------------------------------- stats / checks
+    @property
+    def cached_pages(self) -> int:
+        return self.tree.cached_pages if self.tree is not None else 0
+
+    @property
+    def used_pages(self) -> int:
+        return self.allocator.capacity - self.allocator.num_free
+
+    def waste_tokens(self, reqs: list[Req]) -> int:
+        """KV slots allocated to ``reqs`` that hold no computed token: per request its
+        page table's slots minus ``num_computed`` (the partial last page plus pages
+        grown ahead of the computation). Tree pages are full and computed, so shared
+        pages add nothing and nothing is counted twice.
+
+            req.pages:  [ p0 | p1 | p2 ... ]   len(req.pages) * page_size slots
+            computed:   [ ############.... ]   num_computed
+                                      ^^^^ waste
+        """
+        return sum(len(req.pages) * self.page_size - req.num_computed for req in reqs)
+
+    def check_invariants(self, live: list[Req]) -> None:
+        """free + cached + owned-by-requests == capacity; no page both free and
+        referenced; tree pages referenced by requests are the tree's; no lock held
+        when no request is live. Raises AssertionError."""
+        self.allocator.check_invariants()
+        free = self.allocator.free_pages()
+        cached = self.tree.all_pages() if self.tree is not None else set()
+        owned: list[int] = []
+        for req in live:
+            shared = req.pages[: req.num_tree_pages]
+            assert set(shared) <= cached, f"{req.rid}: shared page not in tree"
+            owned.extend(req.pages[req.num_tree_pages :])
+            assert not free & set(req.pages), f"{req.rid}: references a free page"
+        assert len(set(owned)) == len(owned), "page owned by two requests"
+        assert not set(owned) & cached, "request-owned page also cached in the tree"
+        total = len(free) + len(cached) + len(owned)
+        assert total == self.allocator.capacity, (
+            f"page leak: free {len(free)} + cached {len(cached)} + owned {len(owned)}"
+            f" != {self.allocator.capacity}"
+        )
+        if self.tree is not None:
+            self.tree.check_invariants()
+            if not live:
+                assert self.tree.protected_pages == 0, "lock held with no live request"

@@ -1,0 +1,376 @@
+"""The prefix-cache simulator: exact hit counts on hand-built traces, Belady's MIN
+against every policy and against exhaustive search, the trace generators, the CLI."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixlm.radix import EVICTION_POLICIES
+from radixlm.runtime.bench import cache_traces as ct
+from radixlm.runtime.bench.cache_sim import BELADY, PageTrace, belady, replay
+from radixlm.runtime.bench.cache_traces import TraceRequest
+
+
+def make_trace(*requests: tuple[list[int], list[int]]) -> list[TraceRequest]:
+    """Requests (prompt, output) arriving one second apart."""
+    return [TraceRequest(float(t), tuple(p), tuple(o), 0) for t, (p, o) in enumerate(requests)]
+
+
+def hits(trace: list[TraceRequest], page_size: int, capacity: int, policy: str) -> int:
+    if policy == BELADY:
+        return belady(PageTrace.build(trace, page_size), page_size, capacity).cached_tokens
+    return replay(trace, page_size, capacity, policy).cached_tokens
+
+
+# Page size 1, 4 pages; request rK arrives at t = K. The eviction that separates the
+# policies is at r3:
+#   r0 [1 2 3]+[9]  -> caches 1 2 3                 (match [1 2]: 0)
+#   r1 [1 2 4]+[9]  -> 1 2 | 3, 4                   (match [1 2]: 2 hits, [1 2] hit once)
+#   r2 [5 6]+[9]    -> evicts leaves 3 (t0), 4 (t1)  (match [5]: 0)
+#   r3 [7 8]+[9]    -> needs 2 of {[1 2] t1 1 hit, [5 6] t2 0 hits}: lru and longest (tie
+#                      on size) evict [1 2]; lfu, importance (both 2 tokens long; one
+#                      hit is worth +10 s, more than the 1 s age difference) and Belady
+#                      ([1 2] is used again at r4, [5 6] at r5) evict [5 6]
+#   r4 [1 2 3]+[9]  -> 2 hits if [1 2] survived; then [7 8] or the rest goes
+#   r5 [5 6 7]+[9]  -> [5 6] is gone under every policy: 0
+TRACE_A = make_trace(
+    ([1, 2, 3], [9]),
+    ([1, 2, 4], [9]),
+    ([5, 6], [9]),
+    ([7, 8], [9]),
+    ([1, 2, 3], [9]),
+    ([5, 6, 7], [9]),
+)
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    # continuation-odds has learned nothing yet (it refreshes after 64 new leaves): LRU
+    [
+        ("lru", 2),
+        ("longest", 2),
+        ("lfu", 4),
+        ("importance", 4),
+        ("continuation-odds", 2),
+        (BELADY, 4),
+    ],
+)
+def test_hit_counts_on_a_hand_computed_trace(policy: str, expected: int) -> None:
+    assert hits(TRACE_A, page_size=1, capacity=4, policy=policy) == expected
+    assert hits(TRACE_A, page_size=1, capacity=100, policy=policy) == 2 + 2 + 2
+
+
+def test_replay_totals_and_evictions() -> None:
+    result = replay(TRACE_A, page_size=1, capacity_pages=4, policy="lru")
+    assert result.prompt_tokens == 3 + 3 + 2 + 2 + 3 + 3
+    assert result.cached_tokens == 2
+    # r2 evicts 3, 4; r3 evicts [1 2]; r4 evicts [5 6], [7 8]; r5 evicts [1 2 3]
+    assert result.evicted_pages == 2 + 2 + 4 + 3
+    assert result.hit_rate == pytest.approx(2 / 16)
+
+
+def test_page_alignment_matches_the_server() -> None:
+    # README: a repeated 32-token prompt reports 16 cached tokens, a 33-token one 32.
+    for length, cached in [(32, 16), (33, 32), (16, 0), (17, 16)]:
+        prompt = list(range(100, 100 + length))
+        trace = make_trace((prompt, [7]), (prompt, [7]))
+        for policy in [*EVICTION_POLICIES, BELADY]:
+            assert hits(trace, page_size=16, capacity=64, policy=policy) == cached
+
+
+def test_output_pages_are_cached_for_the_next_turn() -> None:
+    # Turn 2's prompt extends turn 1's prompt + output; the last output token is never
+    # computed, so only the whole pages of prompt + output[:-1] are cached.
+    turn1 = (list(range(10)), list(range(10, 16)))  # 15 computed tokens -> 3 pages of 4
+    turn2 = (list(range(20)), [1])  # match 19 tokens: 4 pages possible, 3 cached
+    trace = make_trace(turn1, turn2)
+    for policy in [*EVICTION_POLICIES, BELADY]:
+        assert hits(trace, page_size=4, capacity=16, policy=policy) == 12
+
+
+def test_request_longer_than_the_budget_is_cut_to_fit() -> None:
+    trace = make_trace((list(range(40)), [0]), (list(range(40)), [0]))
+    for policy in [*EVICTION_POLICIES, BELADY]:
+        assert hits(trace, page_size=4, capacity=3, policy=policy) == 12
+
+
+def test_page_trace_working_set_and_uses() -> None:
+    pt = PageTrace.build(TRACE_A, page_size=1)
+    # distinct inserted prefixes: 1 12 123 124 5 56 7 78 567 = 9
+    assert pt.num_pages == 9
+    assert pt.counted == [2, 2, 1, 1, 2, 2]
+    one = pt.paths[0][0]
+    assert pt.uses[one] == [0, 1, 4]  # [1] is in the matched part of r0, r1, r4
+    assert pt.depth[pt.paths[0][2]] == 2
+
+
+# ----------------------------------------------------------------------------- Belady
+def random_traces(max_requests: int) -> st.SearchStrategy[list[TraceRequest]]:
+    """Prompts that share prefixes: one of three bases cut at a random length plus a
+    short random tail; outputs of 1-3 tokens; alphabet of 3 tokens."""
+    bases = st.lists(st.integers(0, 2), min_size=1, max_size=8)
+    request = st.tuples(
+        st.integers(0, 2),
+        st.integers(0, 8),
+        st.lists(st.integers(0, 2), max_size=3),
+        st.lists(st.integers(0, 2), min_size=1, max_size=3),
+    )
+
+    @st.composite
+    def build(draw: st.DrawFn) -> list[TraceRequest]:
+        base = [draw(bases) for _ in range(3)]
+        reqs = draw(st.lists(request, min_size=1, max_size=max_requests))
+        return make_trace(*[(base[b][:cut] + tail + [0], out) for b, cut, tail, out in reqs])
+
+    return build()
+
+
+@settings(max_examples=150, deadline=None)
+@given(trace=random_traces(10), page_size=st.sampled_from([1, 2]), data=st.data())
+def test_belady_is_at_least_every_policy(trace, page_size, data) -> None:
+    pt = PageTrace.build(trace, page_size)
+    capacity = data.draw(st.integers(1, max(1, pt.num_pages)))
+    best = belady(pt, page_size, capacity).cached_tokens
+    for policy in EVICTION_POLICIES:
+        assert best >= replay(trace, page_size, capacity, policy).cached_tokens, policy
+
+
+def exhaustive_optimum(pt: PageTrace, page_size: int, capacity: int) -> int:
+    """Most cached tokens over every eviction choice: after request j its (cut) pages
+    stay, and any subset of the rest of the cache that fits is kept."""
+
+    @functools.cache
+    def best(j: int, cache: frozenset[int]) -> int:
+        if j == len(pt.paths):
+            return 0
+        hit = len(list(itertools.takewhile(cache.__contains__, pt.paths[j][: pt.counted[j]])))
+        locked = frozenset(pt.paths[j][:capacity])
+        rest = sorted(cache - locked)
+        room = capacity - len(locked)
+        keeps = (
+            frozenset(kept)
+            for size in range(min(room, len(rest)) + 1)
+            for kept in itertools.combinations(rest, size)
+        )
+        return hit * page_size + max(best(j + 1, locked | kept) for kept in keeps)
+
+    return best(0, frozenset())
+
+
+def test_belady_evicts_a_page_that_is_reloaded_for_free_before_its_use() -> None:
+    # Page size 1, 5 pages. Paths: r0 [0 1], r1 [2 3 4 5] (locked: one of 0 / 1 must go),
+    # r2 [0] (reloads [0] without counting it), r3 [0 1 6] counts [0 1]. Evicting the
+    # parent [0] and keeping [1] gives r3 two hits; evicting [1] gives one.
+    trace = make_trace(([0], [0, 1]), ([1, 0], [0, 0, 1]), ([0], [2]), ([0, 0, 0], [1]))
+    pt = PageTrace.build(trace, 1)
+    assert pt.paths == [[0, 1], [2, 3, 4, 5], [0], [0, 1, 6]]
+    assert belady(pt, 1, 5).cached_tokens == 2 == exhaustive_optimum(pt, 1, 5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(trace=random_traces(6), page_size=st.sampled_from([1, 2]), data=st.data())
+def test_belady_equals_the_exhaustive_optimum(trace, page_size, data) -> None:
+    pt = PageTrace.build(trace, page_size)
+    capacity = data.draw(st.integers(1, max(1, min(pt.num_pages, 6))))
+    assert belady(pt, page_size, capacity).cached_tokens == exhaustive_optimum(
+        pt, page_size, capacity
+    )
+
+
+# ----------------------------------------------------------------------------- traces
+def test_shared_prefix_trace_reaches_its_theoretical_hit_rate() -> None:
+    cfg = ct.SharedPrefixConfig(
+        num_groups=3, prompts_per_group=4, system_prompt_len=32, question_len=16, output_len=8
+    )
+    trace = ct.shared_prefix(cfg, seed=1)
+    assert len(trace) == 12 and len({r.session for r in trace}) == 3
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+    pt = PageTrace.build(trace, 16)
+    # (P - 1) S / (P (S + Q)) = 3 * 32 / (4 * 48)
+    assert belady(pt, 16, pt.num_pages).hit_rate == 0.5
+    assert ct.shared_prefix(cfg, seed=1) == trace  # deterministic for a seed
+
+
+def test_scan_mix_trace_shape() -> None:
+    cfg = ct.ScanMixConfig(
+        num_requests=200,
+        num_documents=5,
+        document_len=32,
+        question_len=8,
+        one_off_fraction=0.25,
+        one_off_len=64,
+        output_len=4,
+    )
+    trace = ct.scan_mix(cfg, seed=3)
+    scans = [r for r in trace if r.session < 0]
+    assert 25 <= len(scans) <= 75
+    assert {len(r.prompt) for r in scans} == {64}
+    assert {len(r.prompt) for r in trace if r.session >= 0} == {40}
+    assert len({r.prompt[:32] for r in trace if r.session >= 0}) == 5
+    assert ct.scan_mix(cfg, seed=3) == trace
+
+
+def test_chat_pairs_join_roles_and_stop_at_others() -> None:
+    messages = [
+        {"from": "human", "value": "a"},
+        {"from": "gpt", "value": "b"},
+        {"from": "gpt", "value": "c"},
+        {"from": "human", "value": "d"},
+        {"from": "gpt", "value": "e"},
+        {"from": "human", "value": "f"},
+        {"from": "system", "value": "g"},
+        {"from": "gpt", "value": "h"},
+    ]
+    assert ct._chat_pairs(messages) == [("a", "b\nc"), ("d", "e")]
+    assert ct._chat_pairs(messages[1:]) == []  # must start with the user
+
+
+@pytest.fixture
+def word_tokenizer(tmp_path: Path) -> str:
+    """A word-level tokenizer.json: one id per whitespace-separated word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<|im_start|>", "<|im_end|>", "system", "user", "assistant", "\n", "[UNK]"]
+    words += [f"w{i}" for i in range(20)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(" ", behavior="removed"), pre_tokenizers.Split("\n", "isolated")]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return str(tmp_path)
+
+
+def test_conversation_turns_extend_each_other(word_tokenizer: str) -> None:
+    chat = ct.ChatMLTokenizer(word_tokenizer)
+    start, end, nl, user, asst = 0, 1, 5, 3, 4
+    assert chat.system[:2] == (start, 2) and chat.system[-2:] == (end, nl)
+    pairs = [("w1 w2", "w3"), ("w4", "w5 w6 w7"), ("w8 " * 30, "w9")]
+    turns = ct._conversation_turns(pairs, chat, context_length=60)
+    assert len(turns) == 2  # the third turn would exceed 60 tokens
+    (p1, o1), (p2, o2) = turns
+    assert p1 == chat.system + (start, user, nl, 8, 9, end, nl, start, asst, nl)
+    assert o1 == (10, end)
+    assert p2[: len(p1) + len(o1) + 1] == p1 + o1 + (nl,)
+    assert p2[len(p1) + len(o1) + 1 :] == (start, user, nl, 11, end, nl, start, asst, nl)
+    assert o2 == (12, 13, 14, end)
+
+
+def fake_records() -> list[dict]:
+    """ShareGPT-shaped records: chat "a" split by the dataset into a_0 and a_4."""
+
+    def msgs(*pairs: tuple[str, str]) -> list[dict]:
+        return [
+            {"from": who, "value": text}
+            for pair in pairs
+            for who, text in zip(("human", "gpt"), pair, strict=True)
+        ]
+
+    return [
+        {"id": "a_0", "conversations": msgs(("w1", "w2"), ("w3", "w4"))},
+        {"id": "b_0", "conversations": msgs(("w5", "w6"))},
+        {"id": "a_4", "conversations": msgs(("w7", "w8"))},
+        {"id": "c_0", "conversations": [{"from": "gpt", "value": "w9"}]},
+    ]
+
+
+def test_conversations_join_split_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("radixlm.runtime.bench.sharegpt.iter_records", lambda path=None: iter(fake_records()))
+    joined = [ct._chat_pairs(m) for m in ct._conversations(split_records=False)]
+    assert joined == [[("w1", "w2"), ("w3", "w4"), ("w7", "w8")], [("w5", "w6")], []]
+    split = [ct._chat_pairs(m) for m in ct._conversations(split_records=True)]
+    assert split == [[("w1", "w2"), ("w3", "w4")], [("w5", "w6")], [("w7", "w8")], []]
+
+
+def test_sharegpt_multiturn_interleaves_conversations(
+    monkeypatch: pytest.MonkeyPatch, word_tokenizer: str
+) -> None:
+    monkeypatch.setattr("radixlm.runtime.bench.sharegpt.iter_records", lambda path=None: iter(fake_records()))
+    cfg = ct.MultiTurnConfig(num_conversations=5, conversation_rate=1.0, think_time_s=30.0)
+    trace = ct.sharegpt_multiturn(cfg, seed=4, tokenizer_dir=word_tokenizer)
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+    by_session = {s: [r for r in trace if r.session == s] for s in {r.session for r in trace}}
+    assert sorted(len(turns) for turns in by_session.values()) == [1, 3]
+    (turns,) = [t for t in by_session.values() if len(t) == 3]
+    for before, after in itertools.pairwise(turns):
+        assert (
+            after.prompt[: len(before.prompt) + len(before.output)] == before.prompt + before.output
+        )
+    assert ct.sharegpt_multiturn(cfg, seed=4, tokenizer_dir=word_tokenizer) == trace
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_writes_jsonl_plot_and_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from radixlm.runtime.cli import main
+
+    argv = [
+        "bench",
+        "cache-sim",
+        "--traces",
+        "shared-prefix",
+        "scan-mix",
+        "--capacities",
+        "0.25",
+        "1.0",
+        "--policies",
+        "lru",
+        "lfu",
+        "--seed",
+        "2",
+        "--gsp-num-groups",
+        "4",
+        "--gsp-prompts-per-group",
+        "3",
+        "--gsp-system-prompt-len",
+        "64",
+        "--gsp-question-len",
+        "16",
+        "--gsp-output-len",
+        "16",
+        "--scan-num-requests",
+        "30",
+        "--scan-num-documents",
+        "3",
+        "--scan-document-len",
+        "64",
+        "--scan-one-off-len",
+        "128",
+        "--output-dir",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    main(argv)
+    rows = [json.loads(line) for line in (tmp_path / "cache_sim.jsonl").read_text().splitlines()]
+    traces = [r for r in rows if r["kind"] == "trace"]
+    results = [r for r in rows if r["kind"] == "result"]
+    assert [t["trace"] for t in traces] == ["shared-prefix", "scan-mix"]
+    assert len(results) == 2 * 2 * 3  # traces x capacities x (lru, lfu, belady)
+    gsp_full = [
+        r for r in results if r["trace"] == "shared-prefix" and r["capacity_fraction"] == 1.0
+    ]
+    # (P - 1) S / (P (S + Q)) = 2 * 64 / (3 * 80), reached by every policy at 100%
+    assert {round(r["hit_rate"], 6) for r in gsp_full} == {round(128 / 240, 6)}
+    assert traces[0]["max_hit_rate"] == pytest.approx(128 / 240)
+    assert (tmp_path / "cache_sim.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "| shared-prefix: capacity | lru | lfu | belady (optimum) |" in out
+    assert "| 100% | 53.3% | 53.3% | 53.3% |" in out
+    rerun = tmp_path / "again"
+    main([*argv[:-3], "--output-dir", str(rerun), "--no-progress"])
+    assert (rerun / "cache_sim.jsonl").read_text() == (tmp_path / "cache_sim.jsonl").read_text()
+
+
+def test_cli_lists_the_bench_command(capsys: pytest.CaptureFixture) -> None:
+    from radixlm.runtime.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench"])
+    assert exit_info.value.code == 2
+    assert "cache-sim" in capsys.readouterr().err
