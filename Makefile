@@ -1,5 +1,7 @@
 # radixlm: `make run` (the main job: serve SmolLM2 and replay real multi-turn chats)
-#          `make test` (the test suite). Both create .venv and install everything first.
+#          `make test` (the fast tier of the test suite). Both create .venv and install
+#          everything first. `make test-all` runs the whole suite (what CI runs), `make soak`
+#          the long load and fuzzing runs (pytest markers `slow` and `soak`, pyproject.toml).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV_FLAGS ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-all soak lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -23,8 +25,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: setup
 	$(PY) examples/sharegpt_multiturn.py
 
+PYTEST_ARGS ?=
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow and not soak" $(PYTEST_ARGS)
+
+test-all: setup
+	$(PY) -m pytest -q -m "not soak" $(PYTEST_ARGS)
+
+soak: setup
+	$(PY) -m pytest -q -s -m soak $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

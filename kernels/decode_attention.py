@@ -70,7 +70,7 @@ weighted 0, so they must hold finite values: the pool is zero-filled and stores 
 32 x 32K keys: 535 us against bf16 pages' 995 (1.86x; row-major FP8 pages 1.52x; bf16 pages
 of half the head dim, the same bytes, 582).
 
-Tiered pools (int4 / mixed, ``TieredPages``; docs/ARCHITECTURE.md "Quantised KV cache"):
+Tiered pools (int4 / mixed, ``TieredPages``; docs/KV_CACHE.md "Quantised KV cache"):
 the k/v pools are the FP8 slots [F, S, K, D] and each logical page is either in the slot
 ``fp8_slot[page]`` or INT4 (KIVI, Liu et al. 2024: codes [P, S, K, D/2] uint8, key
 scale/zero per channel of the page, value scale/zero per group of G channels of a token,

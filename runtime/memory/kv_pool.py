@@ -37,7 +37,7 @@ KV cache dtypes (``--kv-cache-dtype``, ``KV_CACHE_DTYPES``):
                          tokens are written in FP8; ``end_pass`` demotes full pages to INT4:
                          int4 every full page, mixed all but the sequence's first page
                          (attention sink) and its last ``window_pages`` full pages.
-                         See docs/ARCHITECTURE.md "Quantised KV cache".
+                         See docs/KV_CACHE.md "Quantised KV cache".
 
 Exact attention sink (fp8_e4m3 pools, ``sink_slots`` C > 0): position 0's K/V is kept
 unquantised beside the pages, one slot per distinct first token id (at position 0 a token

@@ -1,7 +1,7 @@
 """OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``; the official ``openai`` client drives them unchanged.
 
-Policies (documented in the README):
+Policies (documented in docs/SERVING.md):
 - ``max_tokens`` (and ``max_completion_tokens``) must be >= 1; a request whose prompt +
   ``max_tokens`` exceeds the context is clamped to the context (``finish_reason="length"``).
 - ``usage.prompt_tokens`` counts each prompt once, whatever ``n``;

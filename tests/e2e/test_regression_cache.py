@@ -1,4 +1,4 @@
-"""Regression cases C01, C02, C04 and C05 (docs: shared/cases/REGRESSION_CASES.md) on a
+"""Regression cases C01, C02, C04 and C05 (tests/CASES.md) on a
 real server (SmolLM2-135M-Instruct, fp32 on CPU, page size 16).
 
 Servers: the shared ``server`` fixture (radix cache on, chunked prefill 512) for C01 and

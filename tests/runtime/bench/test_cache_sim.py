@@ -77,7 +77,7 @@ def test_replay_totals_and_evictions() -> None:
 
 
 def test_page_alignment_matches_the_server() -> None:
-    # README: a repeated 32-token prompt reports 16 cached tokens, a 33-token one 32.
+    # docs/SERVING.md: a repeated 32-token prompt reports 16 cached tokens, a 33-token one 32.
     for length, cached in [(32, 16), (33, 32), (16, 0), (17, 16)]:
         prompt = list(range(100, 100 + length))
         trace = make_trace((prompt, [7]), (prompt, [7]))
