@@ -39,7 +39,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(PY) bench/bench_cpu.py
+	$(PY) bench/cpu/bench_cpu.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
