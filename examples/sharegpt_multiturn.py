@@ -35,7 +35,7 @@ answers are re-tokenised: where that differs from the generated ids (e.g. "\n\n"
 as one token re-encodes as two), the next prompt diverges from the computed KV there and
 the bound is slightly optimistic.
 
-The benchmark ``bench/bench_cpu.py`` imports this module; keep one replay implementation.
+The benchmark ``bench/cpu/bench_cpu.py`` imports this module; keep one replay implementation.
 """
 
 from __future__ import annotations
@@ -485,7 +485,7 @@ def format_summary(s: Summary) -> str:
 
 # ----------------------------------------------------------------------------- CLI
 def add_replay_args(p: argparse.ArgumentParser) -> None:
-    """The replay flags (shared with bench/bench_cpu.py); defaults from ReplayConfig."""
+    """The replay flags (shared with bench/cpu/bench_cpu.py); defaults from ReplayConfig."""
     d = ReplayConfig()
     p.add_argument("--num-conversations", type=int, default=d.num_conversations)
     p.add_argument("--max-turns", type=int, default=d.max_turns)

@@ -37,15 +37,16 @@ Limits: D a power of two (16..256); G <= 64; fp16/bf16 (fp32 for tests, with IEE
 dots). Keys past seq_len, and the rest of the last page, are never read (masked), so stale
 or NaN slots are harmless.
 
-Caveats: N is chosen on the host (``decode_num_splits``) from an upper bound on the
-sequence length, so one launch shape serves a whole batch (and a CUDA graph); each request
-then splits its own length into N parts. An eager call costs 90-130 us of host time on the
-H200 host (two Triton launches plus checks; bench/KERNELS.md), far more than the GPU time
-of a small batch: replay decode steps from a CUDA graph. Short contexts are limited by a
-fixed cost per call, not by the split count: on the H200, batch 32 streams K/V at ~4.5 TB/s
-(29.6 us per 1K keys) on top of ~15-22 us per call (one launch from a graph, the first
-dependent page-table -> K/V loads, the ~3 us merge kernel, write-back of dirty L2 lines), so
-32 x 2K reaches 0.77 of the copy bandwidth and 32 x 8K 0.96 (bench/KERNELS.md).
+Caveats: N is chosen on the host (``decode_num_splits``) from an upper bound on the sequence
+length, so one launch shape serves a whole batch (and a CUDA graph); each request then
+splits its own length into N parts. An eager call costs 90-130 us of host time on the H200
+host (two Triton launches plus checks; 4a7db11:bench/KERNELS.md), far more than
+the GPU time of a small batch: replay decode steps from a CUDA graph. Short contexts are
+limited by a fixed cost per call, not by the split count: on the H200, batch 32 streams K/V
+at ~4.5 TB/s (29.6 us per 1K keys) on top of ~15-22 us per call (one launch from a graph,
+the first dependent page-table -> K/V loads, the ~3 us merge kernel, write-back of dirty L2
+lines), so 32 x 2K reaches 0.77 of the copy bandwidth and 32 x 8K 0.96
+(BENCHMARKS.md "Decode attention").
 
 FP8 pools (float8_e4m3fn pages, per-kv-head float32 ``k_scale``/``v_scale`` [K]): a
 program serves one kv head, so its two scales are scalars. K tiles are converted to q's
@@ -54,9 +55,9 @@ dtype in registers and the K scale is folded into the softmax scale
 multiplied by s_v once (sum_j p_j v8_j s_v = s_v sum_j p_j v8_j). Half the bytes of bf16
 per key; the dequantisation costs one convert per element, to fp16 by default
 (``DecodeConfig.fp8_compute``: the dots then run in fp16 whatever q's dtype). The convert
-is not what held FP8 back (bench/fp8_decode_probe.py: a bit-operation convert was slower,
-QK^T on FP8 tensor cores no faster). First it was K/V loads left waiting on each tile's
-page-table load: FP8 launches load the page-table entries one tile ahead
+is not what held FP8 back (bench/kv_cache/fp8_decode_probe.py: a bit-operation convert
+was slower, QK^T on FP8 tensor cores no faster). First it was K/V loads left waiting on each
+tile's page-table load: FP8 launches load the page-table entries one tile ahead
 (``DecodeConfig.pages_ahead``) with 3 stages and small tiles on 1-2 warps. Then it was
 instruction issue (ncu: 71% of DRAM bandwidth, 12.5% occupancy, 337M instructions against
 bf16's 260M): the P @ V dot takes V as its B operand with the keys as the reduction dim,
@@ -91,7 +92,7 @@ fp16). ``_decode_tiered_kernel`` (same grid, splits and merge as above):
     all-FP8 tiles (nearly all) take one branch; a tile across a boundary between the kinds
     takes both, each key masked out of the other (``_tile_kinds``). Only one kind's tiles
     are live at a time: a single branch holding both kinds' loads had the sm_90 build spill
-    (ptxas -v, bench/ptxas_usage.py).
+    (ptxas -v, bench/kernels/ptxas_usage.py).
   * The page-table entries and FP8 slots of the tiles are loaded ahead (pages two tiles,
     slots one), so only the K/V loads wait in a tile (page -> slot -> K/V is a chain of
     dependent loads).
@@ -99,7 +100,8 @@ fp16). ``_decode_tiered_kernel`` (same grid, splits and merge as above):
     the dots (fp32 accumulation). Launch parameters: ``TIERED_DECODE_CONFIG``.
 0.30 of bf16's bytes per key (page 16, G 64: K 0.5 + 4/16, V 0.5 + 4/64 bytes per element).
 The extend kernel reads tiered pools with the same helpers (``_tile_pages``,
-``_tile_slots``, ``_tiered_kv``). Not yet timed on a GPU (bench/kv_speed_gpu.py).
+``_tile_slots``, ``_tiered_kv``). Speed (bench/kv_cache/kv_speed_gpu.py): the comment of
+``TIERED_DECODE_CONFIG`` and BENCHMARKS.md "Quantised KV cache: speed".
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ class DecodeConfig:
 
 
 # FP8 pages (fp16 dots, channel-major V). H200, 8 kv heads, D 128, 2026-12-04
-# (bench/fp8_decode_probe.py, production kernel on channel-major V). From batch 8
+# (bench/kv_cache/fp8_decode_probe.py, production kernel on channel-major V). From batch 8
 # (FP8_LARGE_BATCH): 64-key tiles on 1 warp, 3 stages, 8 programs per SM: 32 x 32K keys
 # 535 us (bf16 pages 995 us, 1.86x; 32-key tiles 582, 128-key tiles on 2 warps 535, 64 keys
 # on 2 warps / 4 programs 629); 64 x 16K 535 (bf16 989), 128 x 8K 525 (bf16 987), 32 x 8K
@@ -164,9 +166,9 @@ FP8_LARGE_BATCH_DECODE_CONFIG = DecodeConfig(
 )
 FP8_LARGE_BATCH = 8  # requests per decode step from which FP8_LARGE_BATCH_DECODE_CONFIG is used
 # Tiered pools (int4 / mixed; ``_decode_tiered_kernel``). H200, batch 32, 8 kv heads, D 128
-# (bench/kv_speed_gpu.py, 2026-11-30): 32K keys 4724 us (bf16 pages 994 us), 8K 1204 us
-# (263); of its DECODE_VARIANTS only block_n 32 / 2 warps is faster (4293 / 1092 us, with
-# 10 bytes of spills); the others take 4.6-6.7 ms at 32K: the kernel is bound by the
+# (bench/kv_cache/kv_speed_gpu.py, 2026-11-30): 32K keys 4724 us (bf16 pages 994 us), 8K
+# 1204 us (263); of its DECODE_VARIANTS only block_n 32 / 2 warps is faster (4293 / 1092
+# us, with 10 bytes of spills); the others take 4.6-6.7 ms at 32K: the kernel is bound by the
 # dequantisation instructions (~300 GB/s of INT4 bytes), not by memory.
 TIERED_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=2)
 
@@ -668,8 +670,9 @@ def decode_num_splits(
     programs costs more than fewer, longer splits), but no split shorter than
     ``min_split_keys``. ``device`` may also be an SM count (int).
 
-    Measured on an H200 (132 SMs, block_n 64, 4 warps, 2 stages; bench/KERNELS.md): batch
-    32 x 8K keys takes 258 us with N = 2 (512 programs) but 336 us with N = 3 (768).
+    Measured on an H200 (132 SMs, block_n 64, 4 warps, 2 stages;
+    4a7db11:bench/KERNELS.md): batch 32 x 8K keys takes 258 us with N = 2
+    (512 programs) but 336 us with N = 3 (768).
     """
     config = config or DecodeConfig()
     num_sms = device if isinstance(device, int) else _num_sms(torch.device(device))

@@ -57,29 +57,30 @@ N > 1 and two kernels run instead:
      w_i, w_i = 2^(lse_i - max lse) (split 0 always holds key 0, so the sum is > 0).
 
 N (a power of two; the kernels are compiled at server start by ``warm_up_split_path``) is
-chosen so that B * K * M blocks * N programs make about one wave of
-``programs_per_sm`` per SM, splits are >= ``min_split_keys`` keys, and only when
-max_extend_len <= ``ExtendSplitConfig.max_extend_len`` (512; 256 on Hopper) and the keys are at least
-twice the new tokens; otherwise (plain prefill, long extends, a full wave already) the
-long-extend kernel runs. Cost: the fp32 partials (T * H * N * D * 4 bytes, written and
-read once; bounded because the program count is capped at one wave: ~17 MB for the
-Hopper config on 132 SMs) and a second launch. FP8 pages as below (a program serves one
-kv head, so both scales are scalars). ``HOPPER_SPLIT_CONFIG`` (tiles, warps, the 256-token
-limit) is set from bench/bench_extend_split.py on an H200 (bench/KERNELS.md); the other
+chosen so that B * K * M blocks * N programs make about one wave of ``programs_per_sm`` per
+SM, splits are >= ``min_split_keys`` keys, and only when max_extend_len <=
+``ExtendSplitConfig.max_extend_len`` (512; 256 on Hopper) and the keys are at least twice
+the new tokens; otherwise (plain prefill, long extends, a full wave already) the long-extend
+kernel runs. Cost: the fp32 partials (T * H * N * D * 4 bytes, written and read once;
+bounded because the program count is capped at one wave: ~17 MB for the Hopper config on 132
+SMs) and a second launch. FP8 pages as below (a program serves one kv head, so both scales
+are scalars). ``HOPPER_SPLIT_CONFIG`` (tiles, warps, the 256-token limit) is set from
+bench/kernels/bench_extend_split.py on an H200 (BENCHMARKS.md "Split-KV extend"); the other
 heuristic constants (2 programs per SM, 128-key splits) were not varied there.
 
 Limits: D a power of two (16..256); fp16/bf16 (fp32 for tests, with IEEE fp32 dots).
 ``max_extend_len`` (host int) sizes the grid; blocks past a request's extend_len exit at
 once. Launch parameters come from ``default_extend_config``: on sm_90 one of two tile
 configs by shape bucket (128 x 128 tiles when the cached prefix is at least as long as the
-extend, 64 x 64 for plain / short-prefix prefill), measured there (bench/KERNELS.md).
+extend, 64 x 64 for plain / short-prefix prefill), measured there
+(BENCHMARKS.md "Extend attention").
 
-Caveats: on an H200 (bench/KERNELS.md) a plain causal prefill (prefix 0, 4 x 2K tokens)
-reaches 0.44 of the bf16 matmul rate, 1.7x slower than PyTorch SDPA on contiguous KV, while
-2K-token extends on a cached prefix of >= 2K reach 0.51-0.54 and beat SDPA. Measured costs
-at prefix 0: the page-table lookup (the K/V addresses depend on a load: 13% with 128 x 128
-tiles, 5% with 64 x 64), the diagonal mask (6% with 64 x 64 tiles) and, with 128 x 128
-tiles (one program per SM), short causal programs (~8%).
+Caveats: on an H200 (BENCHMARKS.md "Extend attention") a plain causal prefill (prefix 0, 4 x
+2K tokens) reaches 0.44 of the bf16 matmul rate, 1.7x slower than PyTorch SDPA on contiguous
+KV, while 2K-token extends on a cached prefix of >= 2K reach 0.51-0.54 and beat SDPA.
+Measured costs at prefix 0: the page-table lookup (the K/V addresses depend on a load: 13%
+with 128 x 128 tiles, 5% with 64 x 64), the diagonal mask (6% with 64 x 64 tiles) and, with
+128 x 128 tiles (one program per SM), short causal programs (~8%).
 
 FP8 pools (float8_e4m3fn pages, per-kv-head float32 ``k_scale``/``v_scale`` [K]): as in
 the decode kernel, the dots run in fp16 whatever the dtype of 16-bit queries
@@ -94,7 +95,7 @@ weighted 0. That costs the Hopper (wgmma) build here: the tile's 8-bit shared-me
 is read back with 8-way bank conflicts (the warp spans 8 pages 2 KB apart). H200, 4 x
 2048 new tokens over 8K cached: 4.74 ms against 4.10 ms with row-major V (+16%; bf16 3.32
 ms), 8 x 256 over 2K: 322 vs 280 us; a plain prefill (4 x 2048) is unchanged, 553 vs 554 us
-(bench/kv_speed_gpu.py --row-major-fp8-v, 2026-12-04).
+(bench/kv_cache/kv_speed_gpu.py --row-major-fp8-v, 2026-12-04).
 
 Tiered pools (int4 / mixed, ``TieredPages``): ``_extend_tiered_kernel``, the same grid and
 key walk (unmasked tiles, then causal diagonal tiles) on head-dim halves, with decode's
@@ -107,8 +108,8 @@ head, which would need a third tiered kernel); the one-pass grid (H x B x M bloc
 already fills the GPU for long extends and batches, short extends over a long prefix at
 small batch get fewer programs than SMs. Each query head dequantises its K/V tiles itself
 (the G heads of a kv head run side by side, the bytes come from L2). Launch parameters on
-Hopper: ``HOPPER_TIERED_EXTEND_CONFIG``. Not yet timed on a GPU (bench/kv_speed_gpu.py,
-EXTEND_VARIANTS).
+Hopper, and their timing (bench/kv_cache/kv_speed_gpu.py, EXTEND_VARIANTS): the comment of
+``HOPPER_TIERED_EXTEND_CONFIG``.
 """
 
 from __future__ import annotations
@@ -183,8 +184,9 @@ class ExtendConfig:
     fp8_compute: str = "fp16"
 
 
-# Hopper (sm_90, 227 KB shared memory per block), measured on an H200 (bench/KERNELS.md,
-# batch 4, 32/8 heads, D 128, bf16; "fma" scale in both):
+# Hopper (sm_90, 227 KB shared memory per block), measured on an H200 (batch 4, 32/8 heads,
+# D 128, bf16, "fma" scale in both; BENCHMARKS.md "Extend attention", the tile sweep in
+# 4a7db11:bench/KERNELS.md):
 #  * long cached prefix: 128 x 128 tiles, 8 warps, 3 stages: 8K + 2K new in 3.31-3.33 ms
 #    (0.54 of the bf16 matmul rate), 2K + 2K in 1.18-1.19 ms (0.50-0.51), vs 3.6-3.8 / 1.25
 #    ms for 64 x 64 tiles;
@@ -194,9 +196,9 @@ class ExtendConfig:
 HOPPER_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 HOPPER_PREFILL_CONFIG = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 # Tiered pools (``_extend_tiered_kernel``) on Hopper, every shape. H200, 4 x 2048 new tokens
-# over 8K cached (bench/kv_speed_gpu.py, 2026-11-30): 14.5 ms vs 3.33 ms on bf16 pages;
-# EXTEND_VARIANTS 14.5-28.8 ms. Chosen from ptxas -v of the sm_90a build with
-# triton 3.6 (bench/ptxas_usage.py; Llama-3-8B head shape, page 16): 128 x 64 tiles, 8
+# over 8K cached (bench/kv_cache/kv_speed_gpu.py, 2026-11-30): 14.5 ms vs 3.33 ms on bf16
+# pages; EXTEND_VARIANTS 14.5-28.8 ms. Chosen from ptxas -v of the sm_90a build with triton
+# 3.6 (bench/kernels/ptxas_usage.py; Llama-3-8B head shape, page 16): 128 x 64 tiles, 8
 # warps, 2 stages spill 12 bytes per thread; 128 x 128 / 8 warps / 3 stages 104 bytes (the
 # bf16 kernel's HOPPER_EXTEND_CONFIG: ~1 KB), 64 x 64 / 4 warps 208 bytes.
 HOPPER_TIERED_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
@@ -223,16 +225,17 @@ class ExtendSplitConfig:
     fp8_compute: str = "fp16"  # FP8 pools: as ``ExtendConfig.fp8_compute``
 
 
-# H200, 8B head shape, bf16, page 16 (bench/bench_extend_split.py, 2026-12-04 14:13 UTC;
-# bench/KERNELS.md, "Split-KV extend"): 128 rows (32 tokens x 4 heads), 64-key tiles, 4 warps,
-# 2 stages. 1 x (4K cached + 128 new): 45.6 us with N = 8 against 58.1 us on 8 warps (the
-# earlier, untuned config; 32 layers: 1.46 vs 1.86 ms of a cached-prefix TTFT); 1 x (16K +
-# 128) 111 vs 155 us, 1 x (16K + 32) 53 vs 64, 8 x (4K + 32) 79 vs 101; slower only at
-# 1 x (1K + 32), 21.9 vs 18.8 us. 64 rows on 4 warps (N / 2 for the same programs) is as
-# fast at 4K + 128 and faster for 32-token extends, slower at 16K + 128 (127 us) and at batch 8.
-# Split only up to 256 new tokens: with this config (14:16 UTC run) one request's 256-token
-# extend is 1.05 / 1.53 / 1.87x the long-extend kernel over 1K / 4K / 16K cached, a 512-token
-# one 0.73 / 0.91 / 1.02x.
+# H200, 8B head shape, bf16, page 16 (bench/kernels/bench_extend_split.py, 2026-12-04 14:13
+# UTC, 4a7db11:BENCHMARKS.md; the current run: BENCHMARKS.md "Split-KV extend"):
+# 128 rows (32 tokens x 4 heads), 64-key tiles, 4 warps, 2 stages. 1 x (4K cached + 128
+# new): 45.6 us with N = 8 against 58.1 us on 8 warps (the earlier, untuned config; 32
+# layers: 1.46 vs 1.86 ms of a cached-prefix TTFT); 1 x (16K + 128) 111 vs 155 us, 1 x (16K
+# + 32) 53 vs 64, 8 x (4K + 32) 79 vs 101; slower only at 1 x (1K + 32), 21.9 vs 18.8 us. 64
+# rows on 4 warps (N / 2 for the same programs) is as fast at 4K + 128 and faster for
+# 32-token extends, slower at 16K + 128 (127 us) and at batch 8. Split only up to 256 new
+# tokens: with this config (14:16 UTC run) one request's 256-token extend is 1.05 / 1.53 /
+# 1.87x the long-extend kernel over 1K / 4K / 16K cached, a 512-token one 0.73 / 0.91 /
+# 1.02x.
 HOPPER_SPLIT_CONFIG = ExtendSplitConfig(block_rows=128, block_n=64, num_warps=4, num_stages=2, max_extend_len=256)
 
 
@@ -860,8 +863,8 @@ def _launch(
 ):
     """Launch ``_extend_kernel``; returns Triton's compiled kernel (registers, shared memory).
 
-    ``probe`` is for measurements only (bench/bench_kernels.py): 1 = diagonal tiles without
-    the causal mask, 2 = every query block reads all keys unmasked (uniform program
+    ``probe`` is for measurements only (bench/kernels/bench_kernels.py): 1 = diagonal tiles
+    without the causal mask, 2 = every query block reads all keys unmasked (uniform program
     lengths); both give wrong results and assume prefix and extend lengths that are
     multiples of ``block_n``. 3 = no page-table loads: request b's pages are taken to be
     b * 1024 + 1, + 2, ... (right only for such a table, fewer than 1024 pages each)."""

@@ -2,7 +2,7 @@
 
 Why: in a decode step each of these is a chain of small PyTorch kernels (RMSNorm alone is
 seven), and at batch 1 an 8B model's step is ~1,180 kernels whose fixed cost (2-3 us each,
-even replayed from a CUDA graph) rivals the weight streaming (bench/decode_step.py). One
+even replayed from a CUDA graph) rivals the weight streaming (bench/kernels/decode_step.py). One
 launch per operation removes most of it (vLLM and SGLang fuse the same three).
 
 Dimension letters: T tokens, E hidden size, H heads, D head dim, F MLP intermediate size.

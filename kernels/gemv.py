@@ -11,13 +11,14 @@ its tile from L2), so the model uses it for single-row inputs only
 (runtime/executor/models/llama.py).
 
 Fused variants (one launch where the model ran two or three at batch 1; each small kernel
-costs 1-3 us of a ~4 ms 8B step, bench/decode_step.py):
+costs 1-3 us of a ~4 ms 8B step, bench/kernels/decode_step.py):
   * ``rmsnorm_gemv``: the (add +) RMSNorm before qkv / gate_up in the GEMV's input path;
   * ``RopeStore``: the QKV GEMV of a decode token also applies RoPE to its q / k heads and
     writes k / v into a float KV pool (a program owns matching rotate-half rows of one head);
   * ``silu_mul_gemv``: SwiGLU's activation in the down GEMV's input path.
-H200, Llama-3-8B shape, bf16, batch-1 decode graph: 4.13 -> 3.88-3.91 ms of device time,
-369 -> 209 kernels a step (BENCHMARKS.md, 2026-12-04 16:30-16:55 UTC).
+H200, Llama-3-8B shape, bf16, batch-1 decode: 369 -> 207 kernels a step, the decode graph's
+device time 3.880 ms = 1.126x the weight-read floor
+(BENCHMARKS.md "Batch-1 decode vs the weight-read floor").
 
 Dimension letters: M rows of x (1..4), N output features, K input features.
 
@@ -64,10 +65,10 @@ class GemvConfig:
         """``base`` (default: the default config) with ``block_k`` the largest of its own,
         its half, ..., 16 that divides K.
 
-        H200, bf16, batch 1 (bench/bench_gemv.py; GPU time, L2 cleared): 8 x 512 tiles, 4
-        warps, 4 stages take 17.2 / 13.6 / 58.9 / 31.2 us on the 8B qkv / o_proj / gate_up
-        / down weights vs cuBLAS's 18.2 / 16.3 / 60.8 / 33.8 us (the best of 24 configs per
-        shape is within 1 us of it)."""
+        H200, bf16, batch 1 (bench/kernels/bench_gemv.py; GPU time, L2 cleared): 8 x 512
+        tiles, 4 warps, 4 stages take 17.2 / 13.6 / 58.9 / 31.2 us on the 8B qkv / o_proj /
+        gate_up / down weights vs cuBLAS's 18.2 / 16.3 / 60.8 / 33.8 us (the best of 24
+        configs per shape is within 1 us of it)."""
         base = base or cls()
         block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= base.block_k and k % b == 0), None)
         if block_k is None:
@@ -82,7 +83,7 @@ PROLOGUE_CONFIGS: dict[str, GemvConfig] = {
 }
 """Default config per prologue (before ``for_k`` fits block_k to K). With RMSNorm fused in,
 each program also reads x, the residual and the norm weight, so fewer, wider programs win.
-H200, Llama-3-8B shape, bf16, batch-1 decode graph (bench/decode_step.py --gemv-sweep,
+H200, Llama-3-8B shape, bf16, batch-1 decode graph (bench/kernels/decode_step.py --gemv-sweep,
 device ms per step): RMSNorm tiles 8 x 512 4.057, 16 x 512 3.952, 16 x 256 3.896, 32 x 256
 3.878; SiLU tiles (norm at 16 x 256) 8 x 512 3.896, 16 x 512 3.886, 32 x 256 3.929."""
 

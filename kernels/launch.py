@@ -2,15 +2,16 @@
 
 Why: Triton's Python launch path (argument binding, the specialisation key, the cache
 lookup, the launch hooks) runs for every launch of a kernel of ~40 arguments, and our
-wrappers' checks add more. The piecewise CUDA graphs (``runtime/piecewise_cuda_graph``)
-launch each layer's attention eagerly: a mixed step of the 8B shape spent 6-18 ms of host
-time launching (BENCHMARKS.md, 2026-12-05), more than the device needs for a few hundred
-tokens; with the replay ~1.4-1.8x less (2026-12-06, measured across H100 hosts). Between two layers of one step only the KV pool tensors change: the query and
-output buffers are static, the grid, split counts, page table and lengths are the step's.
-So layer 0 launches through Triton inside ``record()``, and layers 1.. replay those
-launches with the layer's pools swapped in, straight through each compiled kernel's
-launcher (what ``JITFunction.run`` ends with; SGLang's ``wrap_kernel_launcher`` and
-PyTorch Inductor launch the same way).
+wrappers' checks add more. The piecewise CUDA graphs
+(``runtime/executor/piecewise_cuda_graph``) launch each layer's attention eagerly: a mixed
+step of the 8B shape still spent 6-11 ms of host time launching (H100, 2026-12-05), more
+than the device needs for a few hundred tokens; with the replay ~1.4-1.8x less (2026-12-06,
+measured across H100 hosts; BENCHMARKS.md "Piecewise CUDA graphs"). Between two layers of
+one step only the KV pool tensors change: the query and output buffers are static, the grid,
+split counts, page table and lengths are the step's. So layer 0 launches through Triton
+inside ``record()``, and layers 1.. replay those launches with the layer's pools swapped in,
+straight through each compiled kernel's launcher (what ``JITFunction.run`` ends with;
+SGLang's ``wrap_kernel_launcher`` and PyTorch Inductor launch the same way).
 
 A replay is valid only where the swapped tensors match the recorded ones in everything
 Triton specialises on: dtype, strides given as arguments (the caller's), and 16-byte

@@ -73,7 +73,8 @@ def channel_major_pool(shape: tuple[int, int, int, int], device: torch.device | 
     ([P, K, D, S] in memory; S a power of two >= 2): each page holds, per kv head and channel,
     its S values side by side. The decode and extend kernels then load a V tile's keys as
     contiguous bytes, so the P @ V dot's 8-bit operand needs no per-byte shared-memory loads
-    (on the H200 at 32 x 32K keys: 1.86x bf16 pages against 1.52x row-major; BENCHMARKS.md).
+    (on the H200 at 32 x 32K keys: 1.86x bf16 pages against 1.52x row-major;
+    BENCHMARKS.md "Quantised KV cache: speed" and its ``fp8_decode_probe_layouts.json``).
     Zero-filled because the kernels read whole pages of V: slots past a request's last key are
     weighted 0 and must hold finite values (``store_kv`` clamps to +-448)."""
     num_pages, page_size, num_kv_heads, head_dim = shape

@@ -10,7 +10,7 @@ per tree, and the heap feeds it events (``observe_new_candidate``, ``observe_evi
 and calls its ``refresh`` now and then (see ``CandidateHeap``).
 
 Policies (``radixlm bench cache-sim`` compares them with Belady's offline optimum; the
-figures are in BENCHMARKS.md):
+figures are in BENCHMARKS.md "Eviction policies vs Belady"):
 
 * ``lru``: least recently used first.
 * ``lfu``: fewest prefix matches first, then least recently used.
@@ -106,7 +106,8 @@ def importance(node: NodeStats) -> float:
     ``now - last_access``: the order is the same and the key needs no global clock.
     Monotone (see the module docstring): it grows with ``last_access`` and
     ``hit_count``; ``prefix_len`` is fixed while the node is a leaf.
-    Weights: chosen with ``radixlm bench cache-sim`` (BENCHMARKS.md).
+    Weights: chosen with ``radixlm bench cache-sim``
+    (BENCHMARKS.md "Eviction policies vs Belady").
     """
     return (
         node.last_access

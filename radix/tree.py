@@ -15,7 +15,7 @@ ids whose length is a multiple of S, and the node holds one page id per S tokens
 Children are keyed by the first page of their key, ``child.key[:S]``, shown as ``(a b)``.
 Only whole pages are ever matched or stored: a trailing partial page is ignored.
 
-Representation (for speed, see bench/bench_radix.py): a node stores its key packed,
+Representation (for speed, see bench/scheduler/bench_radix.py): a node stores its key packed,
 ``node.packed`` = the token ids as 4-byte unsigned ints (``array("I")`` bytes), and
 ``node.key`` decodes it to a tuple. Comparing a node's key with a request's tokens is
 then one ``bytes.startswith`` (a memcmp) instead of a per-token Python comparison, so

@@ -145,8 +145,8 @@ class ServerArgs:
         "admission: prompt tokens enter a step only while its decodes leave room, so about this "
         "many requests run at once and the rest wait (their time to first token grows). With "
         "--schedule-policy lof that spreads an offline batch's prompts over the steps its longest "
-        "reply needs; on a GPU (8B shape, 1000 ShareGPT prompts, BENCHMARKS.md) it measured "
-        "slower than the default budget.",
+        "reply needs; on a GPU (8B shape, 1000 ShareGPT prompts) it measured slower than the "
+        "default budget (BENCHMARKS.md, \"Pacing admission\").",
     )
     max_running_requests: int = _opt(64, "Most requests decoding at the same time.")
     preemption_policy: str = _opt(
@@ -185,7 +185,7 @@ class ServerArgs:
         "(arrival), 'lpm' (longest cached prefix first), 'dfs-weight' (depth-first over the "
         "radix tree, the branch with the most waiting requests first), 'lof' (longest "
         "max_new_tokens first: for offline throughput). lpm and dfs-weight need the radix "
-        "cache (fcfs without it); see BENCHMARKS.md for the comparison.",
+        "cache (fcfs without it); compared in BENCHMARKS.md, \"Schedule policies\".",
         SCHEDULE_POLICIES,
     )
     schedule_max_wait_s: float = _opt(
@@ -216,17 +216,18 @@ class ServerArgs:
         "decodes and none waits, one scheduler turn launches up to this many decode steps "
         "back to back (the sampled ids feed the next step on the device) and plans, reads and "
         "streams once for all of them, so the scheduler's host time per decode step falls (8B "
-        "at batch 64 on an H200: 2.5x with 8; BENCHMARKS.md). Costs: tokens stream this many at a time; a request that arrives "
-        "meanwhile waits for the window; one that stops early computes tokens it discards, up "
-        "to 2 x this many - 1 (with overlap scheduling the next window is launched before this "
-        "one's tokens are read). A step that holds a request with logprobs, a grammar, a penalty "
+        "at batch 64 on an H200: 2.5x with 8; BENCHMARKS.md, \"Multi-step decoding\"). Costs: "
+        "tokens stream this many at a time; a request that arrives meanwhile waits for the "
+        "window; one that stops early computes tokens it discards, up to 2 x this many - 1 (with "
+        "overlap scheduling the next window is launched before this one's tokens are read). A step that holds a request with logprobs, a grammar, a penalty "
         "or a seed, and int4 / mixed KV caches, run one step at a time. 1: off.",
     )
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
     radix_eviction_policy: str = _opt(
         "lru",
         "Which unlocked cached prefix (radix-tree leaf) is evicted first when pages run out "
-        "(radix/eviction.py; compared by `radixlm bench cache-sim`, see BENCHMARKS.md).",
+        "(radix/eviction.py; compared by `radixlm bench cache-sim`: "
+        "BENCHMARKS.md, \"Eviction policies vs Belady\").",
         tuple(EVICTION_POLICIES),
     )
     attention_backend: str = _opt(
@@ -265,8 +266,9 @@ class ServerArgs:
     idle_spin_ms: float | None = _opt(
         None, "After its last work, the scheduler process polls for requests without blocking for "
         "this many milliseconds before it sleeps: a request arriving in that window skips the "
-        "thread's wake-up (0.13-0.19 ms on the ZeroMQ hop alone; its first launch ended ~1-2 ms "
-        "sooner on the GPU host, BENCHMARKS.md); it uses a core while it spins. "
+        "thread's wake-up (a cached 4K prompt's first token reached the client after 8.91 ms "
+        "against 10.36 ms with the scheduler asleep, on the H200 host; BENCHMARKS.md, "
+        "\"Cached-prefix TTFT\"); it uses a core while it spins. "
         "Default: 20 where the process may use 4 or more cores (CPU affinity and cgroup quota), else 0 (on fewer, the "
         "spinning core is one the HTTP process needs). 0: never spin (SGLang's scheduler spins "
         "whenever idle unless --sleep-on-idle). An Engine's scheduler thread never spins."

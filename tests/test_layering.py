@@ -257,3 +257,32 @@ def test_the_checkout_root_shadows_nothing_where_radixlm_is_not_installed(folder
     got = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert got.returncode == 0, got.stderr
     assert got.stdout == "None []\n", got.stdout
+
+
+def _architecture() -> str:
+    return (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+
+
+def test_architecture_lists_every_runtime_package():
+    """docs/ARCHITECTURE.md's package list names each package of RUNTIME_PACKAGES (one
+    line each) and each sub-package folder of runtime/."""
+    doc = _architecture()
+    lines = [ln for ln in doc.splitlines() if ln.startswith("- `")]
+    named = " ".join(lines)
+    for unit in RUNTIME_PACKAGES:
+        folder = ROOT / "runtime" / unit
+        token = f"`{unit}/`" if folder.is_dir() else f"`{unit}.py`"
+        assert token in named, f"docs/ARCHITECTURE.md's package list lacks {token}"
+    for folder in sorted(p for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()):
+        assert folder.name in RUNTIME_PACKAGES, f"runtime/{folder.name}/ is not in RUNTIME_PACKAGES"
+
+
+def test_architecture_names_only_modules_that_exist():
+    """Every module path the lifecycle and package pages cite (`server/http_common.py`,
+    `radix/tree.py`, ...) exists, below runtime/ or the repository root."""
+    import re
+
+    cited = set(re.findall(r"`([a-z_]+(?:/[a-z_]+)*\.py)`", _architecture()))
+    assert len(cited) > 20, cited
+    missing = [p for p in sorted(cited) if not (ROOT / "runtime" / p).exists() and not (ROOT / p).exists()]
+    assert not missing, f"docs/ARCHITECTURE.md cites modules that do not exist: {missing}"

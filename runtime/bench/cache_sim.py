@@ -37,7 +37,7 @@ request reloads it for free, so keeping it until then gains nothing.
   evicts p can evict p instead without losing a hit, since p is not needed before q.
   The free reloads can leave MIN's cache holding a page without its parent (the
   parent comes back before either is used), which no radix tree can do.
-  ``tests/runtime/test_cache_sim.py`` checks MIN against exhaustive search over every
+  ``tests/runtime/bench/test_cache_sim.py`` checks MIN against exhaustive search over every
   eviction choice on small traces.
 * Upper bound for every radix-tree policy: evicting whole leaves is one of the page
   schedules MIN competes with. The best whole-leaf schedule (variable-size caching,

@@ -13,7 +13,7 @@
   (``cache_traces.shared_prefix``, the same workload as ``radixlm bench cache-sim``).
 * ``sharegpt-multiturn``: whole ShareGPT conversations (``cache_traces.sample_conversations``)
   replayed turn by turn; the client builds each turn's messages from the history, the
-  server's generated replies and the next user message (see bench_serving.py).
+  server's generated replies and the next user message (see serving.py).
 
 Arrivals: all at once (``request_rate = inf``) or a Poisson process: exponential gaps of
 mean ``1 / request_rate`` seconds. Torch-free.

@@ -7,7 +7,7 @@ Backends:
 * ``radixlm-oai`` / ``radixlm-oai-chat``: ``POST /v1/completions`` /
   ``/v1/chat/completions`` streaming with ``stream_options.include_usage``.
 * ``hf-generate`` / ``hf-generate-batch``: transformers in this process on ``--device``
-  (bench_hf.py), offline only: ``model.generate`` over padded batches, or continuous
+  (hf_baseline.py), offline only: ``model.generate`` over padded batches, or continuous
   batching (``generate_batch``). They stream nothing: TTFT, TPOT and ITL are null.
 
 Metrics (SGLang's definitions; latencies in ms, over the completed requests):

@@ -33,8 +33,9 @@ __all__ = [
 
 # Fewest leading decode rows for which a mixed pass launched from Python splits its attention
 # (``_split_mixed``): the second launch costs ~0.1-0.15 ms of host time per layer, which a few
-# decode rows do not repay (8B on an H100, BENCHMARKS.md: ~250 decode rows gained ~12 ms a
-# step, <50 lost ~2). A pass whose launches are replayed (``static_layers``) splits from one.
+# decode rows do not repay (8B on an H100, 2026-12-05: ~250 decode rows gained ~12 ms a step,
+# <50 lost ~2; 4a7db11:BENCHMARKS.md). A pass whose launches are replayed
+# (``static_layers``) splits from one (BENCHMARKS.md "Piecewise CUDA graphs").
 MIXED_SPLIT_MIN_DECODES = 64
 
 
@@ -209,8 +210,8 @@ class TritonAttentionBackend(AttentionBackend):
         their own K / V pools swapped in (the query / output buffers, grid, split counts and
         the batch's tensors are the pass's). That skips Triton's Python launch path and the
         wrappers' checks for 2-4 kernels a layer: a paced mixed step of the 8B shape launched
-        ~1.4-1.8x faster (H100 hosts, BENCHMARKS.md 2026-12-06). Float pools
-        without an attention sink only (a scale, channel mean or sink differs per layer);
+        ~1.4-1.8x faster (H100 hosts, 2026-12-06; BENCHMARKS.md "Piecewise CUDA graphs"). Float
+        pools without an attention sink only (a scale, channel mean or sink differs per layer);
         others take the base class's ``forward`` per layer."""
         if pool.quantised or pool.tiered or pool.has_sink:
             return super().static_layers(q, k, v, out, batch, pool)
@@ -241,11 +242,12 @@ class TritonAttentionBackend(AttentionBackend):
         running requests first) and whose others extend: their attention as two launches,
         the decode kernel over the d rows and the extend kernel over the rest. The extend
         kernel's programs are per query head and BLOCK_M rows, so a decode row there reads
-        its keys once per head of its group and computes a mostly empty tile: a step of
-        ~250 decodes and one prefill chunk took ~3x the time of the decode step alone (8B
-        on an H100, BENCHMARKS.md). None (the one extend launch) below ``min_decodes``
-        (default ``MIXED_SPLIT_MIN_DECODES``) leading decodes, and for FP8 / INT4 pools and
-        pools with an attention sink (float pools only)."""
+        its keys once per head of its group and computes a mostly empty tile: a step of 200-299
+        decodes and <= 384 prompt tokens took 35.8 ms, 23.8 ms with the decode rows split off
+        (8B on an H100, 2026-12-05; 4a7db11:BENCHMARKS.md; the split as adopted:
+        BENCHMARKS.md "Piecewise CUDA graphs"). None (the one extend launch) below ``min_decodes`` (default
+        ``MIXED_SPLIT_MIN_DECODES``) leading decodes, and for FP8 / INT4 pools and pools with an
+        attention sink (float pools only)."""
         lens = batch.extend_lens_cpu
         d = 0
         while d < len(lens) and lens[d] == 1:

@@ -154,7 +154,8 @@ class CudaGraphRunner:
     def _buffers(self, model: torch.nn.Module, pool: KVPool, max_bs: int, max_pages: int,
                  prev_ids: torch.Tensor, max_extend_tokens: int, max_window: int = 1) -> None:
         """Every static buffer, on the pool's device (host staging pinned on CUDA); no
-        capture (bench/profile_step.py's host-only runner and the CPU tests stop here)."""
+        capture (bench/scheduler/profile_step.py's host-only runner and the CPU tests stop
+        here)."""
         device = pool.device
         pin = device.type == "cuda"
         self.model, self.pool, self.page_size = model, pool, pool.page_size

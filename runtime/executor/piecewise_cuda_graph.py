@@ -2,14 +2,14 @@
 mixed batches of decodes and prefill chunks, up to ``max_tokens`` tokens (vLLM's piecewise
 CUDA graphs, SGLang's ``--enable-piecewise-cuda-graph``).
 
-Why: such a step runs the model eagerly, ~11 launches per layer from Python, about 15-19 ms
-of host time for the 8B shape on the GPU host whatever the step's size (BENCHMARKS.md). A
-step of a few hundred tokens needs ~5-8 ms of the device, so it waits for the host, and a
-server that paces prefill into its decode steps (``--max-prefill-tokens`` below the
-running batch), or simply admits requests while others decode, pays that at every such
-step. The attention of a mixed step depends on every request's lengths (its grid, split
-count and page tables) and stays eager; everything between two attentions is one graph,
-captured once per token bucket.
+Why: such a step runs the model eagerly, ~11 launches per layer from Python: a mixed step of
+the 8B shape spent 18-30 ms of host time launching on the H100 host, 6-11 ms with these
+graphs (BENCHMARKS.md "Piecewise CUDA graphs"). A step of a few hundred tokens needs less of
+the device, so it waits for the host, and a server that paces prefill into its decode steps
+(``--max-prefill-tokens`` below the running batch), or simply admits requests while others
+decode, pays that at every such step. The attention of a mixed step depends on every
+request's lengths (its grid, split count and page tables) and stays eager; everything
+between two attentions is one graph, captured once per token bucket.
 
 Dimension letters: L layers, T the step's tokens, Tg its bucket (the smallest captured size
 >= T), E hidden size, H / K query / kv heads, D head dim.

@@ -15,8 +15,9 @@ paces admission: prompt tokens enter a step only while its decodes leave room, s
 work of a large offline batch spreads over the steps that its longest reply needs anyway
 (with ``lof``, the longest replies start first) instead of a few huge prefill steps
 followed by a long tail of small decode steps. Measured on the 8B 1000-prompt run
-(BENCHMARKS.md) it is still slower than the default plan (28 s against 23 s): each of its
-~1000 mixed steps costs more host time than its tokens cost the device.
+(BENCHMARKS.md "Pacing admission") it is still slower than the default plan (26.1-31.1 s
+against 22.6 s): a mixed step costs more than its tokens cost the device (host launch and
+device waits).
 
 Out of pages: unlocked radix leaves are evicted first (inside PrefixCache.alloc); if that
 is not enough a running request chosen by the preemption policy (runtime/scheduler/preemption.py:

@@ -19,7 +19,7 @@ The planner scans the running batch once per preemption (O(running), at most a f
 hundred requests) -- preemption is rare and the batch is small, so no heap is kept.
 
 ``OutputLengthEstimator`` is the online estimate of output lengths used by
-``importance`` and by the admission reserve (schedule_policy.py): the empirical
+``importance`` and by the admission reserve (planner.py): the empirical
 conditional mean ``E[L - g | L > g]`` of the output lengths L of recently finished
 requests, for a request that has generated g tokens, capped by its own
 ``max_new_tokens - g``.

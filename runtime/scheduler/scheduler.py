@@ -590,7 +590,7 @@ def freeze_startup_objects() -> None:
     """Collect, then move every object alive now into the collector's permanent generation
     (``gc.freeze``), as vLLM and SGLang do after start-up. The imports and the model leave
     ~500K tracked objects (8B shape, the H200 host); every full collection traversed them
-    all while serving: 0.3 s each, two in a 1000-request run (bench/offline_trace.py).
+    all while serving: 0.3 s each, two in a 1000-request run (bench/serving/offline_trace.py).
     Frozen objects are never collected; objects made later are, as before. In an Engine
     (the scheduler on a thread of the user's process) the user's objects are frozen too.
     Shutdown calls ``gc.unfreeze()``: objects still frozen at exit are never freed, and

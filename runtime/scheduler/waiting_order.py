@@ -7,7 +7,7 @@ Policies (SGLang's names, ``--schedule-policy``):
   (SGLang's ``lof``). Meant for throughput runs: the requests that need the most
   sequential decode steps start first (longest processing time first, the classic
   makespan heuristic). On the 1000-prompt ShareGPT run it did not shorten the tail
-  (BENCHMARKS.md). Ignores the radix tree.
+  (BENCHMARKS.md "Pacing admission"). Ignores the radix tree.
 * ``lpm``: longest prefix match first (most tokens already cached), ties by arrival.
 * ``dfs-weight``: depth-first over the radix tree; at each node the branch holding the
   most requests (its weight) goes first, deeper matches before the requests hanging at
@@ -17,7 +17,9 @@ Policies (SGLang's names, ``--schedule-policy``):
   weight also counts running requests (at the node their cached prefix ends) and ties
   go to the cached branch: counting only waiting requests makes the order round-robin
   over groups (admitting one lowers its group's weight below the next group's), which
-  evicts every shared prefix before its reuse under a small pool (BENCHMARKS.md).
+  evicts every shared prefix before its reuse under a small pool (0-4% hit rate on a
+  small run of bench/scheduler/bench_schedule.py, 4a7db11:BENCHMARKS.md; the
+  current comparison: BENCHMARKS.md "Schedule policies").
 
 Starvation guard (every policy): the oldest waiting request goes first once it has
 waited ``max_wait_s`` seconds or ``max_passes`` other requests were admitted while it
@@ -38,7 +40,7 @@ removed at that node and page; a hang node evicted) and only their requests are 
 again, resuming at their node. ``lpm`` keeps a lazily invalidated heap on
 (-match length, arrival): O(log n) per admitted or re-matched request. ``dfs-weight``
 sums the bucket sizes up the tree at each plan: O(nodes holding waiting requests x
-depth), then sorts the branches of the nodes it visits. bench/bench_schedule.py
+depth), then sorts the branches of the nodes it visits. bench/scheduler/bench_schedule.py
 measures plan() time against queue length.
 """
 

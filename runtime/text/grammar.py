@@ -47,7 +47,7 @@ __all__ = [
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 
 # JSON-schema keywords xgrammar 0.2 accepts but does not enforce (checked by hand on
-# violating inputs; see tests/runtime/test_grammar.py).
+# violating inputs; see tests/runtime/text/test_grammar.py).
 _UNENFORCED = ("uniqueItems", "not", "if", "then", "else", "allOf", "dependentRequired",
                "dependentSchemas")
 _LENGTH = ("minLength", "maxLength")

@@ -1,4 +1,4 @@
-"""API fuzzing of every endpoint of a real server, from its own OpenAPI schema (issue 7).
+"""API fuzzing of every endpoint of a real server, from its own OpenAPI schema.
 
 Two generators, one server (a tiny random-weight Llama with SmolLM2's tokenizer, so a
 request costs milliseconds; context 128 tokens, so no generation runs long):

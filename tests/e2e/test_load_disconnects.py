@@ -1,4 +1,4 @@
-"""Load with client disconnects (issue 7), CI size: bench/load_disconnects.py's own
+"""Load with client disconnects, CI size: bench/reliability/load_disconnects.py's own
 functions (imported, one implementation) on real servers.
 
 80 concurrent requests over 8 prompts (4 shared prefixes), mixing /generate,
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "load_disconnects.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "reliability" / "load_disconnects.py"
 
 
 def _load_script():

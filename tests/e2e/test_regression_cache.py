@@ -227,7 +227,7 @@ def test_c02_duplicate_prefix_insert_keeps_pages_of_live_requests(server_factory
     ref_thread.start()
     cold_races = 0
     # fcfs: the cache-aware default (lpm) defers B until A's prompt is cached, which
-    # avoids the very race this case replays (tests/runtime/test_schedule_policy.py).
+    # avoids the very race this case replays (tests/runtime/scheduler/test_planner.py).
     with server_factory(chunked_prefill_size=512, max_total_tokens=6144, schedule_policy="fcfs") as srv:
         ref_thread.join()
         assert refs and refs[0].status_code == 200, refs[0].text if refs else "no reply"

@@ -1,4 +1,4 @@
-"""Security and limits on a real server (issue 7): ``--api-key``, the request-body limit,
+"""Security and limits on a real server: ``--api-key``, the request-body limit,
 ``--max-queued-requests``, the default bind address, and no prompt text in the logs
 unless ``--log-requests``.
 

@@ -1,4 +1,4 @@
-"""Structured generation end to end (issue 5, cases C16, C18, C19, C20): regex, JSON schema
+"""Structured generation end to end (cases C16, C18, C19, C20): regex, JSON schema
 and EBNF through /generate and OpenAI response_format, with the real SmolLM2 on the CPU.
 
 Sampled tests are seeded (``seed`` + sample index for n > 1), so a run is reproducible

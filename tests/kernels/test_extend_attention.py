@@ -140,7 +140,7 @@ def _attention_seeing(case, visible) -> torch.Tensor:
 
 
 def test_extend_probes(paged_case, relerr) -> None:
-    """Measurement probes of ``_launch`` (bench/bench_kernels.py) on lengths that are
+    """Measurement probes of ``_launch`` (bench/kernels/bench_kernels.py) on lengths that are
     multiples of the 16-key tiles: 1 = diagonal tiles unmasked (each 16-row block sees up to
     its last row's key), 2 = every row sees every key; 3 = no page-table loads, right when
     request b's pages are b * 1024 + 1, + 2, ..."""

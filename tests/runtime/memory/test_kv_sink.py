@@ -10,8 +10,8 @@ from radixlm.runtime.memory.kv_formats import DEFAULT_KV_SINK_SLOTS
 from radixlm.runtime.memory.kv_pool import KVPool, key_rotation
 from radixlm.runtime.server_args import ServerArgs
 
-from .test_kv_int4 import PROMPT, _serve
 from ..executor.test_model import Session
+from .test_kv_int4 import PROMPT, _serve
 
 
 def _fp8_pool(sink_slots: int, means: bool = False) -> KVPool:

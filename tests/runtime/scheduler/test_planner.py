@@ -462,7 +462,7 @@ def test_token_array_tracks_prompt_and_output():
     assert req.token_array(99).tolist() == req.all_ids
 
 
-# ------------------------------------------------------------ schedule policies (issue 4)
+# ------------------------------------------------------------ schedule policies
 
 
 def _warm(p: BatchPlanner, *prefixes: list[int]) -> None:
@@ -653,7 +653,7 @@ def test_without_radix_cache_every_policy_is_fcfs():
     assert p.order.policy == "fcfs" and _order(p) == ["a", "b"]
 
 
-# ------------------------------------------------------------ KV waste (issue 4)
+# ------------------------------------------------------------ KV waste
 
 
 def test_kv_waste_is_partial_pages_of_running_requests():
@@ -674,7 +674,7 @@ def test_kv_waste_is_partial_pages_of_running_requests():
     assert p.cache.waste_tokens(p.running) == 0
 
 
-# ------------------------------------------------------------ admission batching (issue 4)
+# ------------------------------------------------------------ admission batching
 
 
 def _admission_scenario(admit_batch: int, max_wait: int, max_news: list[int], waiting: int
