@@ -26,8 +26,12 @@ run: setup
 	$(PY) examples/sharegpt_multiturn.py
 
 PYTEST_ARGS ?=
+# The fast tier runs on 2 pytest-xdist workers, a test file per worker (its servers and
+# module fixtures stay with it); each e2e server takes memory, so more workers than cores
+# do not pay.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -m "not slow and not soak" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not soak" $(PYTEST_ARGS)
 
 test-all: setup
 	$(PY) -m pytest -q -m "not soak" $(PYTEST_ARGS)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs 2 workers on 2 cores
+    torch.set_num_threads(1)  # in-process forwards: 2 threads each would oversubscribe the cores
 
 
 @pytest.fixture(scope="session")

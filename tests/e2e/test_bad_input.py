@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 JSON = {"Content-Type": "application/json"}
 MODEL = "default"  # accepted alias of the served model name
@@ -189,6 +190,7 @@ def _bos_tokenizer(model_dir: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_c08_empty_prompt_with_a_bos_tokenizer(server, server_factory, tmp_path, idle_invariants):
     """With a tokenizer that adds BOS, "" is one token: a valid request (prompt_tokens=1)."""
     model_dir = Path(httpx.get(f"{server.url}/get_model_info", timeout=60).json()["tokenizer_path"])
@@ -231,6 +233,7 @@ def _burst(srv: Any, special, references: list[str]):
     return result
 
 
+@pytest.mark.slow
 def test_c09_max_tokens_zero(server, idle_invariants):
     pid = _scheduler_pid(server)
     with server.client() as c:

@@ -42,8 +42,13 @@ from hypothesis import strategies as st
 
 CONTEXT = 128
 MAX_N = 4  # cost bound on n / best_of and on the prompts of a batch
-EXAMPLES_PER_OPERATION = 60  # per operation and mode; a GET without parameters has 1
-MIN_CASES = 300  # schemathesis cases the run must reach (3 bodies x 2 modes x ~60 + GETs)
+# Examples per operation and mode (a GET without parameters has 1) of the schemathesis run:
+# the fast tier's, the full suite's and the soak's. A run must reach 5 x that many cases
+# (3 bodies x 2 modes, less hypothesis's duplicates, plus the GETs).
+SCHEMATHESIS_EXAMPLES = [pytest.param(10, id="10"), pytest.param(60, id="60", marks=pytest.mark.slow),
+                         pytest.param(600, id="600", marks=pytest.mark.soak)]
+TRANSPORT_EXAMPLES = [pytest.param(600, id="600"), pytest.param(6000, id="6000", marks=pytest.mark.soak)]
+EXPECTED_CASES: collections.Counter[str] = collections.Counter()  # generator -> cases the tests that ran must reach
 HTTP_TIMEOUT = 120.0
 
 
@@ -183,16 +188,18 @@ def _kind(case: schemathesis.Case) -> str:
 
 
 # --------------------------------------------------------------------------- 1. schemathesis
-def test_schemathesis_fuzz_every_endpoint(fuzz_schema) -> None:
+@pytest.mark.parametrize("examples", SCHEMATHESIS_EXAMPLES)
+def test_schemathesis_fuzz_every_endpoint(fuzz_schema, examples: int) -> None:
     """Every operation of the schema, schema-valid and (where it has a body to break)
     schema-invalid cases. (schemathesis's own pytest plugin does not run under pytest 9,
     so its strategies are driven with hypothesis here.)"""
     operations = [result.ok() for result in fuzz_schema.get_all_operations()]
     assert {op.label for op in operations} >= EXPECTED_OPERATIONS
+    EXPECTED_CASES["schemathesis"] += 5 * examples
     for op in operations:
         modes = list(schemathesis.GenerationMode) if op.body else [schemathesis.GenerationMode.POSITIVE]
         for mode in modes:
-            _fuzz_operation(op, mode)
+            _fuzz_operation(op, mode, examples)
 
 
 EXPECTED_OPERATIONS = {"GET /health", "GET /get_model_info", "GET /flush_cache", "POST /flush_cache",
@@ -200,8 +207,8 @@ EXPECTED_OPERATIONS = {"GET /health", "GET /get_model_info", "GET /flush_cache",
                        "GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions"}
 
 
-def _fuzz_operation(op: schemathesis.APIOperation, mode: schemathesis.GenerationMode) -> None:
-    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
+def _fuzz_operation(op: schemathesis.APIOperation, mode: schemathesis.GenerationMode, examples: int) -> None:
+    @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode))
     def run(case: schemathesis.Case) -> None:
@@ -321,10 +328,12 @@ def _is_utf8(data: bytes) -> bool:
     return True
 
 
-def test_transport_level_bad_input(fuzz_server) -> None:
+@pytest.mark.parametrize("examples", TRANSPORT_EXAMPLES)
+def test_transport_level_bad_input(fuzz_server, examples: int) -> None:
+    EXPECTED_CASES["transport"] += examples
     with httpx.Client(base_url=fuzz_server.url, timeout=HTTP_TIMEOUT) as client:
 
-        @settings(max_examples=600, deadline=None, database=None,
+        @settings(max_examples=examples, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(bad_requests())
         def run(request: tuple[str, str, str, dict[str, str], bytes]) -> None:
@@ -354,6 +363,7 @@ def test_wrong_method_is_405_naming_the_allowed_ones(fuzz_server, method: str, p
 def test_every_field_with_every_odd_value(fuzz_server) -> None:
     """The deterministic part of 2.: each odd string in each string field and each odd
     number in each numeric field of each base body, one at a time."""
+    EXPECTED_CASES["sweep"] += 300
     with httpx.Client(base_url=fuzz_server.url, timeout=HTTP_TIMEOUT) as client:
         for path, base in BASE_BODIES.items():
             for kind, of_type, values in [("odd unicode string", str, [f'"{v}"' for v in ODD_STRINGS]),
@@ -370,9 +380,9 @@ def test_every_field_with_every_odd_value(fuzz_server) -> None:
 # --------------------------------------------------------------------------- after both
 def test_server_sound_after_fuzzing(fuzz_server, idle_invariants) -> None:
     print("\n" + LOG.summary())
-    assert LOG.cases["schemathesis"] >= MIN_CASES, "the schemathesis test did not run first"
-    assert LOG.cases["transport"] >= 600, "the transport-level test did not run first"
-    assert LOG.cases["sweep"] >= 300, "the odd-value sweep did not run first"
+    for generator in ("schemathesis", "transport", "sweep"):  # each ran first, and in full
+        assert EXPECTED_CASES[generator] > 0, f"the {generator} test did not run first"
+        assert LOG.cases[generator] >= EXPECTED_CASES[generator], (generator, LOG.cases, EXPECTED_CASES)
     assert LOG.server_errors == 0
     assert httpx.get(f"{fuzz_server.url}/health", timeout=30).status_code == 200
     idle_invariants(fuzz_server)

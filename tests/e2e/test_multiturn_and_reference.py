@@ -154,6 +154,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_second_turn_reuses_first_turn_prompt_and_answer(server, tok, idle_invariants):
     """What the radix tree holds after turn 1: the full pages of turn 1's prompt + answer
     whose KV was computed, i.e. the first P1 + C1 - 1 tokens (the last sampled token is
@@ -219,6 +220,7 @@ def _compare(server_ids: list[int], hf_ids: list[int], hf_logits: list[torch.Ten
     return f"step {k}: server {ours[k:k + 3]} vs transformers {hf_ids[k:k + 3]}, top-2 margin {margin:.3g}"
 
 
+@pytest.mark.slow
 def test_greedy_ids_equal_transformers_on_sharegpt_prompts(server, hf, parity_prompts, idle_invariants):
     body = {"input_ids": parity_prompts,
             "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": False}}
@@ -256,6 +258,7 @@ def nocache_server(server_factory):
         yield srv
 
 
+@pytest.mark.slow
 def test_radix_cache_disabled_same_tokens_and_no_reuse(nocache_server, hf, parity_prompts, idle_invariants):
     ids = parity_prompts[0]
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}

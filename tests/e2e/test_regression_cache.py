@@ -212,6 +212,7 @@ def _c02_race(srv, body: dict) -> tuple[list[httpx.Response], list, list[int]]:
     return results, errors, counts
 
 
+@pytest.mark.slow
 def test_c02_duplicate_prefix_insert_keeps_pages_of_live_requests(server_factory, nocache_server,
                                                                    idle_invariants):
     tok = _tokenizer(nocache_server)

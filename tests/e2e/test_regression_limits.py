@@ -127,10 +127,11 @@ _WORDS = ["amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbo
 C06_PREFIX = "Warehouse notes. " + " ".join(
     f"Shelf {i} holds the {_WORDS[i % 10]} box number {i * 13 % 97}." for i in range(24))
 C06_QUESTIONS = ["Which box is on shelf 3?", "Which box is on shelf 7?", "What does shelf 11 hold?"]
-# C06 repeats the disconnect 20 times, not the case's 200: each repetition prefills
-# ~625 fresh tokens on a shared 2-core CPU (seconds each); the variants and disconnect
-# points are drawn at random (fixed seed, printed) so the 20 cover all of them.
-C06_ROUNDS = 20
+# C06 repeats the disconnect 20 times in the full suite, not the case's 200: each
+# repetition prefills ~625 fresh tokens on a shared 2-core CPU (seconds each); the variants
+# and disconnect points are drawn at random (fixed seed, printed) so the 20 cover all of
+# them. The fast tier's 4 rounds take each variant once.
+C06_ROUNDS = [4, pytest.param(20, marks=pytest.mark.slow)]
 C06_SEED = 606
 
 
@@ -207,7 +208,8 @@ def _disconnect(srv: Any, variant: str, rng: random.Random) -> str:
     raise AssertionError("stream ended before the disconnect point")
 
 
-def test_c06_client_disconnect_frees_everything(server, idle_invariants):
+@pytest.mark.parametrize("rounds", C06_ROUNDS)
+def test_c06_client_disconnect_frees_everything(server, idle_invariants, rounds):
     rng = random.Random(C06_SEED)
     sched = _scheduler_pid(server)
     _wait_baseline(server)
@@ -219,7 +221,7 @@ def test_c06_client_disconnect_frees_everything(server, idle_invariants):
 
     variants = ["chat-prefill", "chat-decode", "nonstream-timeout", "native-stream-first-byte"]
     log = []
-    for i in range(C06_ROUNDS):
+    for i in range(rounds):
         variant = variants[i % len(variants)] if i < len(variants) else rng.choice(variants)
         q = rng.choice(C06_QUESTIONS)
         concurrent = rng.random() < 0.5  # the normal request runs while the long one is live
@@ -307,6 +309,7 @@ def test_c07_prompt_larger_than_kv_pool_is_fast_400(server_factory, idle_invaria
         idle_invariants(srv)
 
 
+@pytest.mark.slow
 def test_c07_prompt_at_context_limit(server_factory, idle_invariants):
     """Substitution for CPU time: context_length=1024 instead of the model's 8192 (the
     limits are the same code path; prefilling 8191 tokens on the shared CPU takes minutes).
@@ -351,7 +354,11 @@ def test_c07_prompt_at_context_limit(server_factory, idle_invariants):
         idle_invariants(srv)
 
 
-@pytest.mark.parametrize(("policy", "mode"), [("lru", "recompute"), ("longest", "swap"), ("importance", "auto")])
+@pytest.mark.parametrize(("policy", "mode"), [
+    ("lru", "recompute"),
+    pytest.param("longest", "swap", marks=pytest.mark.slow),
+    pytest.param("importance", "auto", marks=pytest.mark.slow),
+])
 def test_c07_generation_outgrowing_a_tiny_pool(server_factory, idle_invariants, policy, mode):
     """A 128-token pool (8 pages; "e.g. 512" shrunk for CPU time) with four concurrent
     ignore_eos requests: three need 50 tokens (4 pages) each, so they fit alone but not
@@ -497,6 +504,7 @@ def test_scheduler_death_fails_requests_and_exits(server_factory):
 DRAIN_TOKENS = 64  # enough to be mid-generation at the signal; well inside uvicorn's 30 s drain
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_0(server_factory):
     with server_factory(max_total_tokens=2048) as srv:
         first_content = threading.Event()
@@ -548,6 +556,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server_factory):
 
 
 # --------------------------------------------------------------------------- context limit
+@pytest.mark.slow
 def test_very_long_generation_is_cut_at_the_context_limit(server_factory, idle_invariants):
     """max_tokens 10000 with ignore_eos (none for chat: the default is the context) on a
     128-token context (the model's 8192 would cost minutes of the shared CPU; the clamp and

@@ -66,6 +66,7 @@ def _a_of(results: list[openai.types.Completion], position: int) -> str:
 
 
 # ----------------------------------------------------------------------------- C14
+@pytest.mark.slow
 def test_c14_seed_reproducible_regardless_of_batch(server, idle_invariants, oai):
     a_texts: dict[str, str] = {}
     b_unseeded = {"temperature": 0.8, "max_tokens": 24, "extra_body": {"ignore_eos": True}}

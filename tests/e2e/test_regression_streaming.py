@@ -238,7 +238,7 @@ def _expected(text: str, finish: str, stops: list[str], include: bool) -> tuple[
     return (text[:start + len(stop)] if include else text[:start]), "stop", stop
 
 
-@APIS
+@pytest.mark.parametrize("api", [COMPLETIONS, pytest.param(CHAT, marks=pytest.mark.slow)], ids=["completions", "chat"])
 def test_c11_multi_token_stop_string_never_leaks_into_stream(server, idle_invariants, api):
     with server.client() as c:
         text, finish, tokens = _greedy_tokens(c, api)
@@ -382,6 +382,7 @@ def test_c13_stream_equals_non_stream_every_mode(server, idle_invariants):
     idle_invariants(server)
 
 
+@pytest.mark.slow
 def test_c13_stream_interval_4(server_factory, idle_invariants):
     # a small KV pool: this extra server only runs one short request at a time
     with server_factory(stream_interval=4, max_total_tokens=4096) as srv:
@@ -389,6 +390,7 @@ def test_c13_stream_interval_4(server_factory, idle_invariants):
         idle_invariants(srv)
 
 
+@pytest.mark.slow
 def test_multi_step_windows_serve_what_single_steps_serve(server, server_factory, idle_invariants):
     """--num-scheduler-steps 4: greedy /generate (a length cap that is not a multiple of 4,
     a stop string) and the OpenAI streams give the default server's texts, the streamed

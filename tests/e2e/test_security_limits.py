@@ -272,6 +272,7 @@ def test_prompt_text_is_not_logged_without_log_requests(server_factory, idle_inv
     assert marker not in log
 
 
+@pytest.mark.slow
 def test_log_requests_logs_prompt_and_output_text(server_factory, idle_invariants):
     marker = f"quokka{uuid.uuid4().hex[:10]}"
     with server_factory(log_requests=True, log_level="info", max_total_tokens=2048) as srv:

@@ -44,6 +44,7 @@ def _chat(server, content: str, **body) -> tuple[int, dict]:
     return r.status_code, r.json()
 
 
+@pytest.mark.slow
 def test_json_schema_50_of_50_parse_and_validate(server, idle_invariants):
     outs = _generate(server, "Describe a famous scientist as JSON: ", 50, temperature=0.7,
                      max_new_tokens=96, json_schema=json.dumps(PERSON))
@@ -152,6 +153,7 @@ def _stopped_valid_or_cut_prefix(schema: dict, texts_and_reasons: list[tuple[str
     return stopped
 
 
+@pytest.mark.slow
 def test_c16_response_format_json_schema_is_enforced(server, schema_prefix):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": C16_SCHEMA}}
     status, body = _chat(server, "Tell me about a famous scientist.", response_format=fmt, temperature=1.0,
@@ -268,7 +270,8 @@ def _whitespace_outside_strings(text: str) -> int:
     return longest
 
 
-@pytest.mark.parametrize("topic", ["a science-fiction film", "a film about the sea", "a comedy about cooks"])
+@pytest.mark.parametrize("topic", ["a science-fiction film", pytest.param("a film about the sea", marks=pytest.mark.slow),
+                                   pytest.param("a comedy about cooks", marks=pytest.mark.slow)])
 def test_c19_nested_schema_terminates_without_whitespace_runaway(server, topic):
     max_tokens = 1024
     outs = _generate(server, f"Describe {topic} as a JSON object: ", 1, temperature=0,
@@ -281,6 +284,7 @@ def test_c19_nested_schema_terminates_without_whitespace_runaway(server, topic):
 
 
 # --------------------------------------------------------------------------- C20
+@pytest.mark.slow
 def test_c20_strings_only_hold_legal_escapes(server, schema_prefix):
     schema = {"type": "object", "properties": {"poem": {"type": "string"}}, "required": ["poem"]}
     prompt = ("Write a short poem that quotes a Windows path, a regex with \\d and \\w, and a line "

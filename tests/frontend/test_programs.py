@@ -82,6 +82,7 @@ def test_second_turn_reuses_the_first_turns_pages(endpoint):
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
 
 
+@pytest.mark.slow
 def test_run_batch_matches_single_runs(endpoint):
     args = [{"q1": "Name a fruit.", "q2": "What colour is it?"},
             {"q1": "Name a planet.", "q2": "Is it large?"},

@@ -58,9 +58,9 @@ def _reference(case, **scales) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("page_size", "num_heads", "num_kv_heads"),
-    [(1, 4, 4), (4, 6, 2), (16, 8, 2), (4, 8, 1)],  # GQA 1, 3 (padded), 4, 8
+    [(1, 4, 4), (4, 6, 2), pytest.param(16, 8, 2, marks=pytest.mark.slow), pytest.param(4, 8, 1, marks=pytest.mark.slow)],  # GQA 1, 3 (padded), 4, 8
 )
-@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("num_splits", [2, pytest.param(5, marks=pytest.mark.slow)])
 def test_split_matches_reference(paged_case, relerr, page_size, num_heads, num_kv_heads,
                                  num_splits) -> None:  # fmt: skip
     case = paged_case(MIXED, num_heads, num_kv_heads, 32, page_size, seed=page_size + num_heads)

@@ -179,8 +179,8 @@ def test_extend_fp8_matches_reference(page_size, num_heads, num_kv_heads, num_sp
     assert rel_error(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("fp8_compute", ["fp16", "q"])
+@pytest.mark.parametrize("q_dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fp8_compute", ["fp16", pytest.param("q", marks=pytest.mark.slow)])
 def test_extend_fp8_half_queries_both_compute_dtypes(q_dtype, fp8_compute) -> None:
     """16-bit queries on FP8 pages, every scale mode of the one-pass kernel and the split
     path: the fp16-dot path (q clamped and cast once, tiles converted to fp16) and the
@@ -248,7 +248,7 @@ def test_decode_fp8_channel_major_v_matches_reference(page_size, block_n) -> Non
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize(("page_size", "block_n"), [(16, 16), (16, 32), (32, 16)])
+@pytest.mark.parametrize(("page_size", "block_n"), [(16, 16), pytest.param(16, 32, marks=pytest.mark.slow), pytest.param(32, 16, marks=pytest.mark.slow)])
 def test_extend_fp8_channel_major_v_matches_reference(page_size, block_n, num_splits) -> None:
     """Extend over channel-major V pages (one-pass and split-KV kernels) matches the
     reference on the row-major pages; the causal tiles read V slots of keys a row does not

@@ -148,7 +148,7 @@ def test_extend_tiered_matches_reference(page_size, num_heads, num_kv_heads, gro
 
 # (page size, tile): 4 pages per tile, one page, half a page, and pages straddling tiles
 # (6 does not divide 16: every key looks its page up instead of one lookup per page).
-TILINGS = [(4, 16), (16, 16), (32, 16), (6, 16)]
+TILINGS = [(4, 16), *(pytest.param(*t, marks=pytest.mark.slow) for t in [(16, 16), (32, 16), (6, 16)])]
 
 
 def _check_tile_kinds(case, tiered, layout, page_size, block_n) -> None:

@@ -46,7 +46,8 @@ def _pool(cfg, kv: str = "auto") -> KVPool:
     return pool
 
 
-@pytest.mark.parametrize(("logits_all", "decodes_first"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(("logits_all", "decodes_first"), [
+    (False, False), pytest.param(True, False, marks=pytest.mark.slow), pytest.param(False, True, marks=pytest.mark.slow)])
 def test_pieces_equal_the_fused_forward_on_a_mixed_batch(tiny_hf_model: Callable, logits_all: bool,
                                                          decodes_first: bool) -> None:
     """``decodes_first``: the planner's order (running requests first), whose decode rows the

@@ -307,6 +307,7 @@ def test_a_request_out_of_pages_keeps_the_tokens_in_flight(runner: ModelRunner, 
         assert run(steps, overlap) == want, (steps, overlap)
 
 
+@pytest.mark.slow
 def test_windows_count_prefill_and_decode_tokens_as_single_steps_do(runner: ModelRunner) -> None:
     """The scheduler's token counters (the server's prefill / cached / decode token
     metrics) are the same with windows of 4 as one step at a time: a request whose prompt

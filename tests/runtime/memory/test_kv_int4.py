@@ -288,6 +288,7 @@ def _check_served(outputs: dict, cached: dict, demoted: dict) -> None:
     assert demoted["int4"] >= 4 and demoted["mixed"] >= 2, demoted  # 47 tokens: 5 full pages
 
 
+@pytest.mark.slow
 def test_server_runs_int4_and_mixed_end_to_end(smollm2_dir: str) -> None:
     """SmolLM2 through ModelRunner + Scheduler on the CPU: greedy answers under int4 /
     mixed start like fp8_e4m3's (every cache here writes FP8 first), pages are demoted, the

@@ -339,6 +339,7 @@ def test_runner_refuses_to_start_with_unusable_scales(smollm2_dir: str, tmp_path
     assert runner.pool.bytes_per_token == 30 * 3 * 64 * 2
 
 
+@pytest.mark.slow
 def test_calibrate_kv_scales_command_writes_what_the_server_calibrates(smollm2_dir: str, tmp_path: Path,
                                                                          capsys) -> None:  # fmt: skip
     """`radixlm calibrate_kv_scales --out F` writes the scales, channel means and rotation the

@@ -65,6 +65,7 @@ def test_kv_sink_slots_flag() -> None:
         ServerArgs(kv_cache_dtype="fp8_e4m3", kv_sink_slots=-1).validate()
 
 
+@pytest.mark.slow
 def test_server_keeps_the_first_tokens_kv_exact(smollm2_dir: str) -> None:
     """SmolLM2, fp8_e4m3, ModelRunner + Scheduler (torch backend): request a's prefill claims
     one slot for its first token and writes position 0's K/V there, exact: the same values a
