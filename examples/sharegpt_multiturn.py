@@ -32,8 +32,9 @@ when the turn was sent (the prompts of requests sent earlier, the prompt+answer 
 finished earlier; e.g. other chats' shared system prompt), starting from an empty cache
 (use ``--flush-cache`` with ``--url``). The OpenAI API returns text, not token ids, so the
 answers are re-tokenised: where that differs from the generated ids (e.g. "\n\n" generated
-as one token re-encodes as two), the next prompt diverges from the computed KV there and
-the bound is slightly optimistic.
+as one token re-encodes as two), the next prompt diverges from the computed KV there, so
+the bound is approximate in both directions: a turn can show a hit rate a little above its
+bound (the totals over a run agree).
 
 The benchmark ``bench/cpu/bench_cpu.py`` imports this module; keep one replay implementation.
 """
@@ -329,7 +330,8 @@ def replay(
     model = client.models.list().data[0].id
     total = sum(len(c.user_turns) for c in conversations)
     lock = threading.Lock()
-    with tqdm(total=total, unit="turn", desc="replay", disable=not progress) as bar:
+    # disable=None: no bar when stderr is not a terminal (its redraws would interleave with the answers)
+    with tqdm(total=total, unit="turn", desc="replay", disable=None if progress else True) as bar:
 
         def done(result: TurnResult) -> None:
             with lock:
@@ -586,6 +588,7 @@ def _run(url: str, args: argparse.Namespace) -> tuple[list[TurnResult], Summary]
 
 
 def _run_with_own_server(args: argparse.Namespace) -> int:
+    own_log = not args.server_log  # a temporary log, removed after a clean run
     log_path = args.server_log or tempfile.mkstemp(prefix="radixlm-server-", suffix=".log")[1]
     print(f"starting the server (log: {log_path}) ...", flush=True)
     try:
@@ -601,7 +604,10 @@ def _run_with_own_server(args: argparse.Namespace) -> int:
         print(f"error: {exc}\n--- server log tail ---\n{tail}", file=sys.stderr)
         return 1
     print(f"server stopped (exit code {code}{'' if code == 0 else ', NOT clean'})")
-    return 1 if summary.failed or code != 0 else 0
+    failed = bool(summary.failed) or code != 0
+    if own_log and not failed:
+        Path(log_path).unlink(missing_ok=True)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

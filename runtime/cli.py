@@ -10,7 +10,8 @@ USAGE = """usage: radixlm <command> [options]
 
 commands:
   launch_server   start the HTTP server (see `radixlm launch_server --help`)
-  bench           benchmarks: `radixlm bench cache-sim`, `radixlm bench serving` (see --help)
+  bench           benchmarks: `radixlm bench cache-sim`, `radixlm bench serving`,
+                  `radixlm bench serving-plot` (see `radixlm bench --help`)
   calibrate_kv_scales
                   measure FP8 KV-cache scales and write them for `launch_server --kv-scales-path`
 """

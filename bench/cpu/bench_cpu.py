@@ -365,7 +365,7 @@ def plot(on: dict, off: dict, decode: list[dict], path: Path, title: str) -> Non
 
 # ----------------------------------------------------------------------------- main
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0].replace("\n", " "))
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
