@@ -1,5 +1,5 @@
 # Source on the GPU host from the repo root: installs the carried wheels (.whl/, made here by
-# ../shared/tools/offline_wheels.sh .whl) into /tmp/site and makes this checkout importable
+# pip download of the project's dependencies for the host's Python into .whl/) into /tmp/site and makes this checkout importable
 # as `radixlm` without pip (the host's torch/triton/transformers stay as they are).
 #   . bench/gpu_env.sh && python3 bench/e2e/gpu_e2e.py ...
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -1,8 +1,8 @@
 """Torch-free, page-aligned radix tree: token-id prefixes -> KV page ids.
 
 ``RadixTree`` (radix/tree.py) does match/insert/split/lock/evict; eviction policies are
-looked up by name in ``EVICTION_POLICIES`` (radix/eviction.py); ``check_invariants``
-lives in radix/invariants.py. Imports only the standard library.
+looked up by name in ``EVICTION_POLICIES`` (radix/eviction.py); ``RadixTree.check_invariants``
+runs ``check_tree`` (radix/invariants.py). Imports only the standard library.
 """
 
 from __future__ import annotations

@@ -76,3 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(calibrate(rest))
     print(f"radixlm: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     sys.exit(2)
+
+
+if __name__ == "__main__":  # python -m radixlm.runtime.cli ...
+    main()

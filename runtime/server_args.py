@@ -25,10 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from radixlm.radix import EVICTION_POLICIES
-from radixlm.runtime.memory.kv_formats import DEFAULT_KV_SINK_SLOTS, KV_CACHE_DTYPES
-from radixlm.runtime.scheduler.planner import PREEMPTION_MODES
-from radixlm.runtime.scheduler.preemption import PREEMPTION_POLICIES
-from radixlm.runtime.scheduler.waiting_order import SCHEDULE_POLICIES
+
+# Choices of the flags whose registries live in the scheduler process's packages, spelled
+# here so that the tokenizer process, which reads this config, imports none of them;
+# tests/runtime/test_server_args.py checks each against its registry.
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3", "int4", "mixed")  # memory.kv_formats
+DEFAULT_KV_SINK_SLOTS = 64  # memory.kv_formats
+PREEMPTION_POLICIES = ("lru", "longest", "importance")  # scheduler.preemption
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # scheduler.planner
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")  # scheduler.waiting_order
 
 __all__ = ["ServerArgs"]
 
@@ -154,7 +159,7 @@ class ServerArgs:
         "Which running request gives way when decode runs out of KV pages: 'lru' (least "
         "recently scheduled), 'longest' (most KV pages), 'importance' (weighted score, see "
         "--importance-weights). Ties: newest arrival.",
-        tuple(PREEMPTION_POLICIES),
+        PREEMPTION_POLICIES,
     )
     importance_weights: str = _opt(
         "1,-1,-1",

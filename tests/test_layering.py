@@ -57,10 +57,8 @@ def _imports(path: Path) -> set[str]:
             n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)], type_ignores=[])
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names |= _absolute(path, node)
     return names
 
 
@@ -74,7 +72,7 @@ def _module_imports(folder: str) -> set[str]:
 def test_radix_imports_only_stdlib_and_itself():
     for name in _module_imports("radix"):  # and radixlm_pkg's stdlib-only guard (checkout root)
         top = name.split(".")[0]
-        assert top in sys.stdlib_module_names or name.startswith("radixlm.radix") or name == "radixlm_pkg", name
+        assert top in sys.stdlib_module_names or name.startswith("radixlm.radix") or top == "radixlm_pkg", name
 
 
 @pytest.mark.parametrize("folder,forbidden", [
@@ -93,7 +91,7 @@ def test_dependency_direction(folder, forbidden):
 RUNTIME_PACKAGES = {
     "messages": set(),
     "ipc": {"messages"},
-    "server_args": {"memory", "scheduler"},  # choices come from the registries (torch-free)
+    "server_args": set(),
     "text": {"messages"},
     "memory": set(),
     "server": {"messages", "ipc", "server_args", "text"},
@@ -112,6 +110,28 @@ TORCH_FREE = [
     "radixlm.runtime.scheduler.prefix_cache", "radixlm.runtime.bench.cache_sim",
     "radixlm.runtime.bench.serving",
 ]
+
+
+def _module_name(path: Path) -> str:
+    """runtime/server/metrics.py -> radixlm.runtime.server.metrics (a package: its __init__)."""
+    folder = path.relative_to(ROOT).parts[0]
+    rel = path.relative_to(ROOT / folder).with_suffix("").parts
+    return ".".join([FOLDERS[folder], *(rel[:-1] if rel[-1] == "__init__" else rel)])
+
+
+def _absolute(path: Path, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The modules an import statement names, relative ones resolved against the file's
+    package, each ``from X import y`` also as ``X.y`` (y may be a submodule)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    base = node.module or ""
+    if node.level:
+        package = _module_name(path).split(".")
+        if path.name != "__init__.py":
+            package = package[:-1]
+        package = package[:len(package) - (node.level - 1)]
+        base = ".".join(package + ([node.module] if node.module else []))
+    return {base} | {f"{base}.{a.name}" for a in node.names}
 
 
 def _import_nodes(path: Path) -> list[ast.Import | ast.ImportFrom]:
@@ -138,13 +158,7 @@ def _runtime_edges() -> dict[str, set[str]]:
             continue
         unit = _runtime_unit(path)
         for node in _import_nodes(path):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                mods = [node.module] if node.module != "radixlm.runtime" else [
-                    f"radixlm.runtime.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            else:
-                continue
+            mods = _absolute(path, node)
             edges.setdefault(unit, set()).update(
                 m.removeprefix("radixlm.runtime.") for m in mods if m.startswith("radixlm.runtime."))
     return edges
@@ -173,18 +187,12 @@ def _module_graph() -> dict[str, set[str]]:
     """Every radixlm module -> the radixlm modules it imports, inside functions too (a lazy
     import hides a cycle from the interpreter, not from the reader)."""
     graph: dict[str, set[str]] = {}
-    for folder, name in FOLDERS.items():
+    for folder in FOLDERS:
         for path in (ROOT / folder).rglob("*.py"):
-            rel = path.relative_to(ROOT / folder).with_suffix("").parts
-            mod = ".".join([name, *(rel[:-1] if rel[-1] == "__init__" else rel)])
             deps = set()
             for node in _import_nodes(path):
-                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    deps.add(node.module)
-                    deps.update(f"{node.module}.{a.name}" for a in node.names)
-                elif isinstance(node, ast.Import):
-                    deps.update(a.name for a in node.names)
-            graph[mod] = deps
+                deps |= _absolute(path, node)
+            graph[_module_name(path)] = deps
     return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
 
 
@@ -218,7 +226,10 @@ def test_cli_choices_match_registries():
     import dataclasses
 
     from radixlm.radix import EVICTION_POLICIES
+    from radixlm.runtime import server_args
     from radixlm.runtime.executor.attention import attention_backend_choices
+    from radixlm.runtime.memory import kv_formats
+    from radixlm.runtime.scheduler import planner, preemption, waiting_order
     from radixlm.runtime.server_args import ServerArgs
 
     fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
@@ -226,6 +237,28 @@ def test_cli_choices_match_registries():
         attention_backend_choices()
     )
     assert tuple(fields["radix_eviction_policy"].metadata["choices"]) == tuple(EVICTION_POLICIES)
+    # the choices server_args spells out so that the tokenizer process imports no registry
+    assert fields["kv_cache_dtype"].metadata["choices"] == kv_formats.KV_CACHE_DTYPES
+    assert server_args.DEFAULT_KV_SINK_SLOTS == kv_formats.DEFAULT_KV_SINK_SLOTS
+    assert fields["preemption_policy"].metadata["choices"] == tuple(preemption.PREEMPTION_POLICIES)
+    assert fields["preemption_mode"].metadata["choices"] == planner.PREEMPTION_MODES
+    assert fields["schedule_policy"].metadata["choices"] == waiting_order.SCHEDULE_POLICIES
+
+
+@pytest.mark.parametrize(("module", "forbidden"), [
+    ("radixlm.runtime.server.http_server", ("radixlm.runtime.scheduler", "radixlm.runtime.executor",
+                                            "radixlm.runtime.memory")),
+    ("radixlm.runtime.server.openai_api", ("radixlm.runtime.scheduler", "radixlm.runtime.executor",
+                                           "radixlm.runtime.memory")),
+])
+def test_the_tokenizer_process_loads_no_scheduler_side_module(module, forbidden):
+    """What the HTTP side imports, directly or through the config it shares, holds nothing
+    of the scheduler process's packages (direct imports are checked above; this catches
+    the transitive ones)."""
+    code = (f"import sys, {module}\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({forbidden!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout == "[]\n", out.stdout
 
 
 @pytest.mark.parametrize("folder", sorted(FOLDERS))
@@ -286,3 +319,18 @@ def test_architecture_names_only_modules_that_exist():
     assert len(cited) > 20, cited
     missing = [p for p in sorted(cited) if not (ROOT / "runtime" / p).exists() and not (ROOT / p).exists()]
     assert not missing, f"docs/ARCHITECTURE.md cites modules that do not exist: {missing}"
+
+
+def test_architecture_import_table_matches_runtime_packages():
+    """docs/ARCHITECTURE.md's "may import" table says what RUNTIME_PACKAGES enforces."""
+    import re
+
+    rows = {}
+    for line in _architecture().splitlines():
+        m = re.match(r"\| `([a-z_]+)` \| (.*) \|$", line)
+        if m and m.group(1) in RUNTIME_PACKAGES:
+            rows[m.group(1)] = set(re.findall(r"`([a-z_.]+)`", m.group(2)))
+    assert set(rows) == set(RUNTIME_PACKAGES), set(RUNTIME_PACKAGES) ^ set(rows)
+    rows["engine"] |= RUNTIME_PACKAGES["launch_server"] if "launch_server" in rows["engine"] else set()
+    for unit, allowed in RUNTIME_PACKAGES.items():
+        assert rows[unit] == allowed, f"docs/ARCHITECTURE.md: {unit} may import {rows[unit]}, the test allows {allowed}"

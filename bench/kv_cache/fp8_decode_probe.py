@@ -1,5 +1,5 @@
 """Where FP8 paged decode attention loses its 2x: variants of the split kernel timed side
-by side on one GPU (issue 6's speed target: FP8 >= 1.6x bf16 pages at batch 32 x 32K).
+by side on one GPU (the speed target: FP8 >= 1.6x bf16 pages at batch 32 x 32K).
 
 The production kernel (``radixlm.kernels.decode_attention``) converts every FP8 K/V element
 to fp16 in registers (one ``cvt.rn.f16x2.e4m3x2`` per two elements) and runs fp16 dots. This

@@ -1,7 +1,7 @@
-"""Requests served at a fixed KV memory budget, per ``--kv-cache-dtype`` (issue: quantised KV).
+"""Requests served at a fixed KV memory budget, per ``--kv-cache-dtype``.
 
 For each dtype a server runs with ``--max-total-tokens`` = the budget in bytes / that
-dtype's bytes per token (``memory_pool.kv_page_bytes``, per-page metadata included; the
+dtype's bytes per token (``radixlm.runtime.memory.kv_pool.kv_page_bytes``, per-page metadata included; the
 FP8 slots of int4 / mixed pools come on top and are reported). The same workload (random
 prompts, fixed output length via ``ignore_eos``, all sent at once) goes through
 ``radixlm bench serving`` against each; the record adds output throughput, the running

@@ -1,4 +1,4 @@
-"""Load with client disconnects on loopback (issue 7): nothing lost, nothing leaked.
+"""Load with client disconnects on loopback: nothing lost, nothing leaked.
 
     .venv/bin/python bench/reliability/load_disconnects.py                        # 500 requests, own servers
     .venv/bin/python bench/reliability/load_disconnects.py --requests 80 --output /tmp/load.json

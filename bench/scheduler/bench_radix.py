@@ -1,6 +1,6 @@
 """CPU cost of the radix tree per prompt token: ``match_prefix`` + ``insert``.
 
-The target (PERFORMANCE.md, issue 4): match + insert <= 25 ns per prompt token, i.e.
+The target (BENCHMARKS.md, "Radix tree CPU cost"): match + insert <= 25 ns per prompt token, i.e.
 <= 0.1 ms for a 4K prompt. What the scheduler does per request is one
 ``match_prefix(prompt[:-1])`` at admission and one ``insert(prompt + output, pages)``
 when the request's KV is cached; both walk the same path, so the figure is

@@ -378,7 +378,9 @@ def test_every_field_with_every_odd_value(fuzz_server) -> None:
 
 
 # --------------------------------------------------------------------------- after both
-def test_server_sound_after_fuzzing(fuzz_server, idle_invariants) -> None:
+@pytest.mark.parametrize("tier", ["suite", pytest.param("soak", marks=pytest.mark.soak)])
+def test_server_sound_after_fuzzing(fuzz_server, idle_invariants, tier: str) -> None:
+    """Runs last in either tier (``make soak`` selects only soak-marked tests)."""
     print("\n" + LOG.summary())
     for generator in ("schemathesis", "transport", "sweep"):  # each ran first, and in full
         assert EXPECTED_CASES[generator] > 0, f"the {generator} test did not run first"

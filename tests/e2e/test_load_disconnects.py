@@ -32,26 +32,26 @@ def _load_script():
 
 
 ld = _load_script()
-SERVER_FLAGS = dict(max_total_tokens=2048, chunked_prefill_size=512)
-LOADS = [  # the suite's size, and the soak's: the script's own default (500 requests)
+LOADS = [  # the suite's size on a small pool, and the soak's: the script's defaults (500 requests, 8,192-token pool)
     pytest.param(ld.LoadConfig(requests=80, prompts=8, max_new_tokens=8, max_cut_delay_s=4.0, seed=7),
-                 id="80", marks=pytest.mark.slow),
-    pytest.param(ld.LoadConfig(), id="500", marks=pytest.mark.soak),
+                 dict(max_total_tokens=2048, chunked_prefill_size=512), id="80", marks=pytest.mark.slow),
+    pytest.param(ld.LoadConfig(), dict(max_total_tokens=8192, chunked_prefill_size=512), id="500",
+                 marks=pytest.mark.soak),
 ]
 
 
-@pytest.mark.parametrize("cfg", LOADS)
-def test_load_with_disconnects_loses_nothing_and_leaks_nothing(server_factory, idle_invariants, cfg):
+@pytest.mark.parametrize(("cfg", "flags"), LOADS)
+def test_load_with_disconnects_loses_nothing_and_leaks_nothing(server_factory, idle_invariants, cfg, flags):
     plan = ld.make_plan(cfg)
     planned = {s.cut for s in plan if s.cut}
     assert planned == set(ld.CUTS) and len({(s.api, s.stream) for s in plan}) == 6
     start = time.monotonic()
-    with server_factory(**SERVER_FLAGS) as srv:
+    with server_factory(**flags) as srv:
         load = ld.run_load_phase(srv.url, cfg, srv.proc.pid)
         idle_invariants(srv)
         assert "Traceback" not in srv.log(), srv.log()[-3000:]
     loaded = time.monotonic()
-    with server_factory(disable_radix_cache=True, **SERVER_FLAGS) as ref:
+    with server_factory(disable_radix_cache=True, **flags) as ref:
         refs = ld.compute_references(ref.url, plan, load.outcomes, ld.make_prompts(cfg))
     times = f"load server {loaded - start:.0f} s, reference server {time.monotonic() - loaded:.0f} s"
     s = ld.summarize(cfg, load, refs)

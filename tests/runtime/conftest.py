@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +26,12 @@ def tok(request):
     if saved is not None and (saved / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(saved))
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=GGUF)
-    if saved is not None:
-        tokenizer.save_pretrained(str(saved))
+    if saved is not None:  # written aside, then renamed: another xdist worker never reads half a file
+        tmp = Path(tempfile.mkdtemp(dir=saved))
+        tokenizer.save_pretrained(str(tmp))
+        for f in tmp.iterdir():
+            if f.name != "tokenizer.json":
+                os.replace(f, saved / f.name)
+        os.replace(tmp / "tokenizer.json", saved / "tokenizer.json")  # last: it marks the cache complete
+        shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
