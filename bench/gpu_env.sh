@@ -1,6 +1,6 @@
-# Source on the GPU host from the repo root: installs the carried wheels (.whl/, made here by
-# pip download of the project's dependencies for the host's Python into .whl/) into /tmp/site and makes this checkout importable
-# as `radixlm` without pip (the host's torch/triton/transformers stay as they are).
+# Source on the GPU host from the repo root: installs the carried wheels (.whl/: `pip download`
+# of the dependencies the host lacks, for its Python) into /tmp/site and makes this checkout
+# importable as `radixlm` without pip (the host's torch/triton/transformers stay as they are).
 #   . bench/gpu_env.sh && python3 bench/e2e/gpu_e2e.py ...
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1
