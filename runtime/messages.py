@@ -13,6 +13,8 @@ one GenerateReq per sample (``rid-0 .. rid-(n-1)``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 __all__ = [
@@ -121,6 +123,7 @@ class ReqOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
+    cached_tiers: dict[str, int] | None = None  # cached_tokens by tier: device / host / disk (hierarchical cache)
 
 
 class BatchOutput(msgspec.Struct, tag=True):
@@ -139,6 +142,25 @@ class BatchOutput(msgspec.Struct, tag=True):
 class FlushCacheOut(msgspec.Struct, tag=True):
     success: bool
     message: str = ""
+
+
+class HiCacheStats(msgspec.Struct, kw_only=True):
+    """The hierarchical cache's tiers (cumulative counts unless named total / used)."""
+
+    host_pages_total: int
+    host_pages_used: int
+    disk_pages_total: int
+    disk_pages_used: int
+    page_bytes: int  # bytes of one page in the host and disk tiers
+    hit_tokens: dict[str, int]  # prompt tokens reused, by the tier they were in: device / host / disk
+    pages_moved: dict[str, int]  # device_to_host / host_to_device / host_to_disk / disk_to_host
+    prefetch_hits: int  # disk prefetches complete before admission
+    prefetch_timeouts: int  # admitted before the prefetch ended (the rest recomputed)
+    prefetch_failures: int  # pages that failed verification: dropped, recomputed
+    prefetch_seconds: float  # summed prefetch wait
+    prefetch_count: int
+    skipped_loads: int  # lower-tier pages matched but recomputed (cheaper by the cost model)
+    disk_writes_skipped: int  # pages not written to disk: quota or disk full
 
 
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
@@ -164,6 +186,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     page_size: int = 1  # tokens per KV page (to turn the page counts into tokens)
     kv_sink_slots_total: int = 0  # FP8 pools' exact-sink slots (--kv-sink-slots; 0 without)
     kv_sink_slots_used: int = 0  # slots claimed by a first token (never evicted)
+    hicache: HiCacheStats | None = None  # None without a hierarchical cache
 
 
 class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):
@@ -181,6 +204,7 @@ class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):
     cuda_graph_max_bs: int | None = None  # largest decode-graph batch; None: no decode graphs
     admit_batch_size: int = 1
     idle_spin_ms: float = 0.0
+    hicache: dict[str, Any] | None = None  # tier sizes and measured bandwidths (hierarchical cache)
 
 
 class SchedulerError(msgspec.Struct, tag=True):

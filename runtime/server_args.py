@@ -34,6 +34,7 @@ DEFAULT_KV_SINK_SLOTS = 64  # memory.kv_formats
 PREEMPTION_POLICIES = ("lru", "longest", "importance")  # scheduler.preemption
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # scheduler.planner
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")  # scheduler.waiting_order
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # scheduler.hicache
 
 __all__ = ["ServerArgs"]
 
@@ -235,6 +236,25 @@ class ServerArgs:
         "BENCHMARKS.md, \"Eviction policies vs Belady\").",
         tuple(EVICTION_POLICIES),
     )
+    hicache_size_gb: float = _opt(
+        0.0, "Host-memory KV tier (L3 of the hierarchical cache, docs/KV_CACHE.md), GiB of pinned "
+        "memory; 0 with --hicache-ratio 0: no host tier.")
+    hicache_ratio: float = _opt(
+        0.0, "Host-memory KV tier as a multiple of the device KV pool's bytes (used when "
+        "--hicache-size-gb is 0; 2.0 when only --hicache-storage-dir is given).")
+    hicache_storage_dir: str | None = _opt(
+        None, "Disk KV tier (L4): a folder that keeps KV pages across restarts, per model and KV "
+        "format. Needs a host tier (one of 2 x the device pool is made if none is set).")
+    hicache_storage_size_gb: float = _opt(16.0, "Disk KV tier quota, GiB.")
+    hicache_write_policy: str = _opt(
+        "write_through", "When device pages are copied to the host tier: on insert "
+        "(write_through), once hit --hicache-write-threshold times (write_through_selective), or "
+        "on eviction (write_back). Pages reaching the host also go to the disk tier.",
+        HICACHE_WRITE_POLICIES)
+    hicache_write_threshold: int = _opt(2, "Hits before write_through_selective copies a page down.")
+    hicache_prefetch_timeout_s: float = _opt(
+        5.0, "Longest a waiting request waits for its disk pages before it is admitted and "
+        "recomputes the rest (it also never waits longer than recomputing them would take).")
     attention_backend: str = _opt(
         "auto", "Attention backend ('auto': triton on CUDA, torch otherwise).", ("auto", "torch", "triton")
     )
@@ -365,6 +385,18 @@ class ServerArgs:
             raise ValueError("--context-length must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
+        for flag, value in (("--hicache-size-gb", self.hicache_size_gb), ("--hicache-ratio", self.hicache_ratio),
+                            ("--hicache-storage-size-gb", self.hicache_storage_size_gb),
+                            ("--hicache-prefetch-timeout-s", self.hicache_prefetch_timeout_s)):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{flag} must be a finite number >= 0")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"--hicache-write-policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}")
+        if self.hicache_write_threshold < 1:
+            raise ValueError("--hicache-write-threshold must be >= 1")
+        if self.hicache_enabled and self.disable_radix_cache:
+            raise ValueError("the hierarchical cache (--hicache-*) needs the radix cache; drop "
+                             "--disable-radix-cache")
         if not 0 <= self.swap_space_gb < math.inf:
             raise ValueError("--swap-space-gb must be a finite number >= 0")
         if not 0 <= self.random_seed < 2**63:
@@ -402,6 +434,19 @@ class ServerArgs:
         if self.kv_cache_dtype != "fp8_e4m3":
             return 0
         return DEFAULT_KV_SINK_SLOTS if self.kv_sink_slots is None else self.kv_sink_slots
+
+    @property
+    def hicache_enabled(self) -> bool:
+        """Whether a host tier (and maybe a disk tier) sits under the device pool."""
+        return self.hicache_size_gb > 0 or self.hicache_ratio > 0 or self.hicache_storage_dir is not None
+
+    def hicache_host_bytes(self, device_pool_bytes: int) -> int:
+        """Bytes of the host tier: --hicache-size-gb, else --hicache-ratio (2.0 with only a
+        storage dir) x the device pool's bytes; 0 without a hierarchical cache."""
+        if self.hicache_size_gb > 0:
+            return int(self.hicache_size_gb * 2**30)
+        ratio = self.hicache_ratio or (2.0 if self.hicache_storage_dir is not None else 0.0)
+        return int(ratio * device_pool_bytes)
 
     @property
     def mixed_window_pages(self) -> int:

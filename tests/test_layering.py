@@ -229,7 +229,7 @@ def test_cli_choices_match_registries():
     from radixlm.runtime import server_args
     from radixlm.runtime.executor.attention import attention_backend_choices
     from radixlm.runtime.memory import kv_formats
-    from radixlm.runtime.scheduler import planner, preemption, waiting_order
+    from radixlm.runtime.scheduler import hicache, planner, preemption, waiting_order
     from radixlm.runtime.server_args import ServerArgs
 
     fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
@@ -243,6 +243,7 @@ def test_cli_choices_match_registries():
     assert fields["preemption_policy"].metadata["choices"] == tuple(preemption.PREEMPTION_POLICIES)
     assert fields["preemption_mode"].metadata["choices"] == planner.PREEMPTION_MODES
     assert fields["schedule_policy"].metadata["choices"] == waiting_order.SCHEDULE_POLICIES
+    assert fields["hicache_write_policy"].metadata["choices"] == hicache.WRITE_POLICIES
 
 
 @pytest.mark.parametrize(("module", "forbidden"), [

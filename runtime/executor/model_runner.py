@@ -15,6 +15,7 @@ length P with ``logprob_start_len`` = s (logits at position p score token p + 1)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -50,7 +51,7 @@ from radixlm.runtime.executor.sampling import (
     has_penalties,
     sample,
 )
-from radixlm.runtime.memory.cost_model import DEVICE_RATES, SwapCostModel
+from radixlm.runtime.memory.cost_model import DEVICE_RATES, SwapCostModel, TierCostModel
 from radixlm.runtime.memory.kv_formats import TIERED_KV
 from radixlm.runtime.memory.kv_pool import KVPool, kv_page_bytes, tiered_fp8_pages
 from radixlm.runtime.scheduler.decision import (
@@ -263,6 +264,49 @@ class ModelRunner:
             link_bytes_per_s=link,
             flops_per_s=flops,
         )
+
+    def kv_identity(self) -> str:
+        """Hex name of this model's KV format for the disk tier (``--hicache-storage-dir``):
+        a blake2b over the architecture config, a fingerprint of the weights (every
+        tensor's name, shape, dtype and 64 evenly strided values), the model dtype, the KV
+        cache dtype, the page size, and the KV scales / means / rotation of quantised
+        pools. Pages stored under another identity are never read."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
+        for name, param in sorted(self.model.state_dict().items()):
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+            h.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
+            h.update(sample.numpy().tobytes())
+        h.update(f"{self.dtype}|{self.args.kv_cache_dtype}|{self.page_size}|{self.pool.k_rotation}".encode())
+        for tensors in (self.pool.k_scale, self.pool.v_scale, self.pool.k_mean, self.pool.v_mean):
+            for t in tensors:
+                if t is not None:
+                    h.update(t.float().cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    def tier_costs(self, host_pool: Any, disk: Any) -> TierCostModel:
+        """The load-vs-recompute model of the hierarchical cache, with the tiers' read
+        bandwidths measured now (bytes/s): host -> device by loading up to 64 MiB of
+        pages from ``host_pool`` into the dummy-free pages 1..n and back (the pool is
+        empty at start-up), disk -> host by ``disk.measure_read_bandwidth``; the
+        recompute rate is ``swap_cost_model``'s."""
+        pages = max(1, min(host_pool.num_pages - 1, self.num_pages - 1, (64 << 20) // host_pool.page_bytes))
+        rows, device_pages = list(range(1, pages + 1)), list(range(1, pages + 1))
+        rates = {}
+        for _ in range(2):  # the first round warms up (staging buffers, streams)
+            self._sync()
+            start = time.perf_counter()
+            host_pool.load(rows, device_pages)
+            self._sync()
+            rates["host"] = pages * host_pool.page_bytes / max(time.perf_counter() - start, 1e-9)
+        if disk is not None:
+            rates["disk"] = disk.measure_read_bandwidth(min(64 << 20, 16 * host_pool.page_bytes))
+        return TierCostModel(self.swap_cost_model(), host_pool.page_bytes, self.page_size, rates)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def apply_swaps(self, decision: ScheduleDecision) -> None:
         """Swap-outs (pool pages -> host, kept on the request) then swap-ins (host ->

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEVICE_RATES", "SwapCostModel"]
+__all__ = ["DEVICE_RATES", "SwapCostModel", "TierCostModel"]
 
 
 # (host link bytes/s one way, sustained FLOP/s of a prefill) by device type. CUDA: the
@@ -38,8 +38,44 @@ class SwapCostModel:
         return 2 * tokens * self.kv_bytes_per_token / self.link_bytes_per_s
 
     def recompute_seconds(self, tokens: int) -> float:
-        flops = 2 * self.params * tokens + 2 * self.num_layers * self.q_dim * tokens**2
+        return self.span_seconds(0, tokens)
+
+    def span_seconds(self, start: int, end: int) -> float:
+        """Seconds to compute positions [start, end) given the KV of [0, start): the weight
+        matmuls of end - start tokens, and attention of each to its prefix (QK^T and PV
+        over (end^2 - start^2) / 2 pairs, 4 x q_dim FLOPs a pair, every layer)."""
+        n = end - start
+        flops = 2 * self.params * n + 2 * self.num_layers * self.q_dim * (end * end - start * start)
         return flops / self.flops_per_s
 
     def swap_is_cheaper(self, tokens: int) -> bool:
         return self.swap_seconds(tokens) < self.recompute_seconds(tokens)
+
+
+@dataclass(frozen=True)
+class TierCostModel:
+    """Load a cached span from a lower tier or recompute it? (hierarchical KV cache)
+
+    load ``host``: ``pages * page_bytes / read_bytes_per_s["host"]`` (host -> device);
+    load ``disk``: that plus ``pages * page_bytes / read_bytes_per_s["disk"]`` (disk -> host
+    first); recompute: ``compute.span_seconds(start, end)``. Seconds throughout; the rates
+    are measured at start-up (``ModelRunner.tier_costs``; /get_server_info shows them).
+    A tier missing from ``read_bytes_per_s`` is never worth loading.
+    """
+
+    compute: SwapCostModel
+    page_bytes: int
+    page_size: int
+    read_bytes_per_s: dict[str, float]
+
+    def load_seconds(self, tier: str, tokens: int) -> float:
+        nbytes = -(-tokens // self.page_size) * self.page_bytes
+        rates = self.read_bytes_per_s
+        if tier not in rates or "host" not in rates:
+            return float("inf")
+        seconds = nbytes / rates["host"]
+        return seconds + (nbytes / rates["disk"] if tier == "disk" else 0.0)
+
+    def worth_loading(self, tier: str, start: int, end: int) -> bool:
+        """Whether loading positions [start, end) from ``tier`` beats recomputing them."""
+        return self.load_seconds(tier, end - start) < self.compute.span_seconds(start, end)

@@ -487,6 +487,44 @@ class KVPool:
         if demote:
             self._demote(list(demote))
 
+    def assign_fp8_slots(self, pages: Sequence[int]) -> None:
+        """Give full logical ``pages`` an FP8 slot (tiered pools; a no-op otherwise), for a
+        caller about to write their FP8 K/V itself (``HostKVPool.load``): pages that have a
+        slot keep it; each page is marked full, just written and not a sink, as
+        ``begin_pass`` would. The slot content is left as it is until the caller writes it.
+        When free slots run out, slots are taken back as in ``begin_pass`` (this may enqueue
+        demotions on the current stream). Raises RuntimeError if there are fewer slots than
+        ``pages``."""
+        if not self.tiered:
+            return
+        clock = self._clock = self._clock + 1
+        need = []
+        for page in dict.fromkeys(pages):
+            self._fill[page] = self.page_size
+            self._stamp[page] = clock
+            self._is_sink[page] = False
+            if page not in self._slot_of:
+                need.append(page)
+        if not need:
+            return
+        if len(need) > len(self._free_slots):
+            self._make_room(len(need) - len(self._free_slots), set(pages))
+        slots = [self._free_slots.pop() for _ in need]
+        self._slot_of.update(zip(need, slots, strict=True))
+        self._set_slots(need, slots)
+
+    def release_fp8_slots(self, pages: Sequence[int]) -> None:
+        """Free the FP8 slots of logical ``pages`` without demoting them (their FP8 content
+        is dropped: for a caller about to write their INT4 pages itself); pages then read
+        as INT4 (``fp8_slot`` -1). Pages without a slot are skipped; a no-op for pools that
+        are not tiered."""
+        if not self.tiered:
+            return
+        owned = [p for p in dict.fromkeys(pages) if p in self._slot_of]
+        if owned:
+            self._free_slots.extend(self._slot_of.pop(p) for p in owned)
+            self._set_slots(owned, [-1] * len(owned))
+
     def check_invariants(self) -> None:
         """Tiered pools: every FP8 slot but the dummy is either free or owned by exactly one
         page, and the device ``fp8_slot`` map equals the host's (reads the device map:

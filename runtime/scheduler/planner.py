@@ -147,6 +147,8 @@ class BatchPlanner:
     def add(self, req: Req) -> None:
         bisect.insort_right(self.waiting, req, key=_arrival)
         self.order.add(req)
+        if self.enable_prefix_reuse and self.cache.hicache is not None:
+            self.cache.start_prefetch(req, self._match_limit(req))  # disk pages come while it waits
 
     def _take_waiting(self, req: Req) -> bool:
         """Remove ``req`` from ``waiting`` if it is there (a binary search on arrival)."""
@@ -170,6 +172,7 @@ class BatchPlanner:
         if req.pages or req.tree_node is not None:
             self.cache.release(req)
         self._drop_swap(req)
+        self.cache.cancel_prefetch(req)
 
     def _drop_swap(self, req: Req) -> None:
         if req.swap_tokens:
@@ -355,6 +358,8 @@ class BatchPlanner:
                     break
                 if req.num_inflight or self.order.should_defer(req):
                     continue  # num_inflight: preempted with a token in flight, not read yet
+                if not self.cache.prefetch_ready(req):
+                    continue  # its disk pages are on their way (hierarchical cache)
                 admitted = self._admit_one(decision, req, budget)
                 if admitted is None:
                     break

@@ -15,9 +15,16 @@ Inserting a request's computed full pages may find some of them already cached (
 request computed the same tokens at the same time, case C02): the request then switches
 its page table to the tree's copies and frees its duplicates; it never frees a page the
 tree holds. With the radix cache disabled ``tree`` is None and all pages are owned.
+
+With a hierarchical cache (``hicache``, scheduler/hicache.py) a match may go on past the
+device pages into pages cached in host memory or on disk: the host part is loaded into
+new device pages at admission (they join the tree's pages of the page table), the disk
+part is prefetched while the request waits (``start_prefetch`` / ``prefetch_ready``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from radixlm.radix import RadixTree
 from radixlm.runtime.memory.page_allocator import PageAllocator
@@ -27,10 +34,12 @@ __all__ = ["PrefixCache"]
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, tree: RadixTree | None, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, tree: RadixTree | None, page_size: int,
+                 hicache: Any = None) -> None:
         self.allocator = allocator
         self.tree = tree
         self.page_size = page_size
+        self.hicache = hicache  # a scheduler.hicache.HiCache, or None
         self.num_evicted_pages = 0
 
     # ----------------------------------------------------------------- admission
@@ -41,14 +50,52 @@ class PrefixCache:
         if self.tree is None or max_tokens < self.page_size:
             return 0
         match = self.tree.match_prefix(req.token_array(max_tokens))
-        if match.num_tokens == 0:
+        node, pages, source = match.node, list(match.pages), None
+        if match.tail:  # cached below the device: load what is worth loading
+            self.tree.inc_lock(match.tail[-1])  # nothing on the path goes while pages are allocated
+            loaded, more, source = self.hicache.load_tail(match.tail, match.num_tokens, self.alloc)
+            if loaded is not None:
+                node = loaded
+                pages.extend(more)
+            self.tree.inc_lock(node)
+            self.tree.dec_lock(match.tail[-1])
+        elif pages:
+            self.tree.inc_lock(node)
+        if self.hicache is not None:
+            self.hicache.on_match(match.node)
+            if not req.admitted:
+                req.cached_tiers = {"device": match.num_tokens, **(source or {"host": 0, "disk": 0})}
+                self.hicache.count_hits(match.num_tokens, source or {})
+        if not pages:
             return 0
-        self.tree.inc_lock(match.node)
-        req.tree_node = match.node
-        req.pages = list(match.pages)
-        req.num_tree_pages = len(match.pages)
-        req.num_computed = match.num_tokens
-        return match.num_tokens
+        req.tree_node = node
+        req.pages = pages
+        req.num_tree_pages = len(pages)
+        req.num_computed = len(pages) * self.page_size
+        return req.num_computed
+
+    # ----------------------------------------------------------------- lower tiers
+    def start_prefetch(self, req: Req, max_tokens: int) -> None:
+        """A request starts waiting: read its disk-only cached pages into host memory."""
+        if self.hicache is None or self.hicache.disk is None or max_tokens < self.page_size:
+            return
+        match = self.tree.match_prefix(req.token_array(max_tokens))
+        if match.tail:
+            self.hicache.prefetch(req.rid, match.tail, match.num_tokens)
+
+    def prefetch_ready(self, req: Req) -> bool:
+        """False while ``req`` waits for a disk prefetch (not timed out)."""
+        return self.hicache is None or self.hicache.prefetch_ready(req.rid)
+
+    def cancel_prefetch(self, req: Req) -> None:
+        if self.hicache is not None:
+            self.hicache.cancel_prefetch(req.rid)
+
+    def issue(self) -> None:
+        """Run the tier copies planned this step (before the step's launch)."""
+        if self.hicache is not None:
+            self.hicache.issue()
+            self.hicache.poll()
 
     # ----------------------------------------------------------------- allocation
     @property
@@ -65,6 +112,8 @@ class PrefixCache:
             evicted = self.tree.evict(short)
             self.num_evicted_pages += len(evicted)
             self.allocator.free(evicted)
+            if evicted and self.hicache is not None:
+                self.hicache.evicted()
         return self.allocator.alloc(n)
 
     def grow(self, req: Req, num_tokens: int) -> bool:
@@ -98,6 +147,8 @@ class PrefixCache:
         req.tree_node = result.node
         req.num_tree_pages = num_pages
         self.allocator.free(dup)
+        if self.hicache is not None:
+            self.hicache.on_insert(result.node)
 
     def release(self, req: Req, keep_in_cache: bool = True) -> None:
         """Drop the request's KV: insert what is reusable (if ``keep_in_cache``), unlock,
@@ -113,9 +164,9 @@ class PrefixCache:
         """Drop every cached prefix. False (nothing done) while any request holds a lock."""
         if self.tree is None:
             return True
-        if self.tree.protected_pages > 0:
+        if self.tree.protected_pages > 0 or (self.hicache is not None and self.hicache.prefetches):
             return False
-        self.allocator.free(self.tree.reset())
+        self.allocator.free(self.tree.reset() if self.hicache is None else self.hicache.reset())
         return True
 
     # ----------------------------------------------------------------- stats / checks
@@ -161,5 +212,7 @@ class PrefixCache:
         )
         if self.tree is not None:
             self.tree.check_invariants()
-            if not live:
+            if not live and not (self.hicache is not None and self.hicache.prefetches):
                 assert self.tree.protected_pages == 0, "lock held with no live request"
+        if self.hicache is not None:
+            self.hicache.check_invariants()

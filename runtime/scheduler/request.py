@@ -49,6 +49,7 @@ class Req:
     num_tree_pages: int = 0  # leading pages of `pages` owned by the radix tree
     tree_node: Any = None  # radix node locked by this request (None: nothing locked)
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
+    cached_tiers: dict[str, int] | None = None  # cached_tokens by where they came from (hierarchical cache)
     admitted: bool = False
 
     finish_reason: str | None = None

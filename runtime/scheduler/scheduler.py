@@ -32,6 +32,7 @@ from radixlm.runtime.executor.sampling import has_penalties
 from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.memory.page_allocator import PageAllocator
 from radixlm.runtime.scheduler.decision import ItemResult, PendingStep
+from radixlm.runtime.scheduler.hicache import HiCache
 from radixlm.runtime.scheduler.planner import BatchPlanner
 from radixlm.runtime.scheduler.prefix_cache import PrefixCache
 from radixlm.runtime.scheduler.request import Req
@@ -53,10 +54,13 @@ class Scheduler:
         tiered = getattr(runner.pool, "tiered", False)  # int4 / mixed KV (stub runners: none)
         if tiered:
             runner.pool.attach_allocator(self.allocator)  # their FP8 slots of freed pages come back
-        tree = None
+        tree = self.hicache = None
         if not args.disable_radix_cache:
-            tree = RadixTree(args.page_size, eviction_policy=args.radix_eviction_policy)
-        self.cache = PrefixCache(self.allocator, tree, args.page_size)
+            tiers = () if not args.hicache_enabled else ("host", "disk") if args.hicache_storage_dir else ("host",)
+            tree = RadixTree(args.page_size, eviction_policy=args.radix_eviction_policy, tiers=tiers)
+            if tiers:
+                self.hicache = make_hicache(args, runner, tree)
+        self.cache = PrefixCache(self.allocator, tree, args.page_size, self.hicache)
         self.planner = BatchPlanner(
             self.cache,
             max_prefill_tokens=args.max_prefill_tokens,
@@ -201,6 +205,7 @@ class Scheduler:
             self._collect()
             collected = True
         decision = self.planner.plan()
+        self.cache.issue()  # tier copies planned (hierarchical cache) go before the launch
         # Out of pages: finished once the step in flight is read, so the tokens it samples
         # for them (a whole window's, with --num-scheduler-steps) are kept, not dropped.
         self._out_of_memory = decision.out_of_memory
@@ -428,6 +433,7 @@ class Scheduler:
             new_token_ids=req.output_ids[new],
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens,
+            cached_tiers=req.cached_tiers,
             finish_reason=req.finish_reason,
             matched_stop=req.matched_stop,
             error=req.error,
@@ -466,7 +472,23 @@ class Scheduler:
             page_size=self.args.page_size,
             kv_sink_slots_total=self.runner.pool.sink_slots,
             kv_sink_slots_used=self.runner.pool.sink_tokens,
+            hicache=self._hicache_stats(),
         )
+
+    def _hicache_stats(self) -> m.HiCacheStats | None:
+        hc = self.hicache
+        if hc is None:
+            return None
+        st, tree = hc.stats, hc.tree
+        return m.HiCacheStats(
+            host_pages_total=hc.host_rows.capacity, host_pages_used=tree.tier_pages(0),
+            disk_pages_total=hc.disk.capacity_pages if hc.disk is not None else 0,
+            disk_pages_used=tree.tier_pages(1) if hc.disk is not None else 0,
+            hit_tokens=dict(st.hit_tokens), pages_moved=dict(st.pages_moved), page_bytes=hc.host.page_bytes,
+            prefetch_hits=st.prefetch_hits, prefetch_timeouts=st.prefetch_timeouts,
+            prefetch_failures=st.prefetch_failures, prefetch_seconds=st.prefetch_seconds,
+            prefetch_count=st.prefetch_count, skipped_loads=st.skipped_loads,
+            disk_writes_skipped=st.disk_writes_skipped)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if page accounting, the radix tree or (int4 / mixed) the FP8
@@ -551,9 +573,14 @@ class Scheduler:
         return worked
 
     def close(self) -> None:
-        """Stop the grammar compiler's worker thread (the model is freed with the object)."""
+        """Stop the grammar compiler's worker thread and the disk tier's I/O threads (after
+        the writes queued so far; the model is freed with the object)."""
         if self._grammars is not None:
             self._grammars.close()
+        if self.hicache is not None:
+            self.hicache.drain()
+            if self.hicache.disk is not None:
+                self.hicache.disk.close()
 
     def take_outputs(self) -> m.BatchOutput | None:
         """The outputs made since the last call, as sent to the tokenizer process (None if
@@ -575,6 +602,41 @@ class Scheduler:
         if now - self._last_stats > STATS_INTERVAL_S:
             send.send(self.stats())
             self._last_stats = now
+
+
+def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCache:
+    """The hierarchical cache under ``tree``: a host pool of ``args.hicache_host_bytes``,
+    the disk store of ``--hicache-storage-dir`` (indexed: an earlier process's pages are
+    matchable), bandwidths measured (``ModelRunner.tier_costs``). ValueError when the host
+    tier would hold no page."""
+    from radixlm.runtime.memory.disk_store import DiskStore
+    from radixlm.runtime.memory.host_pool import HostKVPool, host_page_bytes
+
+    page_bytes = host_page_bytes(runner.pool)
+    rows = args.hicache_host_bytes(runner.pool.total_bytes) // page_bytes
+    if rows < 1:
+        raise ValueError(f"the host KV tier holds no page: {args.hicache_host_bytes(runner.pool.total_bytes)} "
+                         f"bytes < one page of {page_bytes} bytes (raise --hicache-size-gb / --hicache-ratio)")
+    host = HostKVPool(runner.pool, rows + 1)  # row 0 unused (PageAllocator)
+    disk = None
+    if args.hicache_storage_dir is not None:
+        disk = DiskStore(args.hicache_storage_dir, runner.kv_identity(), args.page_size, page_bytes,
+                         int(args.hicache_storage_size_gb * 2**30))
+    costs = runner.tier_costs(host, disk)
+    hicache = HiCache(tree, host, disk, costs, args.hicache_write_policy, args.hicache_write_threshold,
+                      args.hicache_prefetch_timeout_s)
+    indexed = hicache.index_disk()
+    logger.info("hierarchical cache: host tier %d pages (%.2f GiB, %s), disk tier %s; page %d bytes; "
+                "read bandwidth %s; write policy %s", rows, rows * page_bytes / 2**30,
+                "pinned" if host.cuda else "CPU memory",
+                f"{disk.capacity_pages} pages in {disk.root}, {indexed} indexed" if disk else "off",
+                page_bytes, {k: f"{v / 1e9:.2f} GB/s" for k, v in costs.read_bytes_per_s.items()},
+                args.hicache_write_policy)
+    hicache.info = {
+        "host_pages": rows, "disk_pages": disk.capacity_pages if disk else 0, "page_bytes": page_bytes,
+        "disk_pages_indexed": indexed, "read_bytes_per_s": costs.read_bytes_per_s,
+        "recompute_flops_per_s": costs.compute.flops_per_s, "write_policy": args.hicache_write_policy}
+    return hicache
 
 
 def _admit_batch(args: ServerArgs, runner: ModelRunner) -> int:
@@ -623,6 +685,7 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
         freeze_startup_objects()
         ready = runner.ready_message()
         ready.admit_batch_size, ready.idle_spin_ms = scheduler.planner.admit_batch, idle_spin_s * 1e3
+        ready.hicache = scheduler.hicache.info if scheduler.hicache is not None else None
         send.send(ready)
         try:
             scheduler.run_forever(recv, send, parent_pid, stop, idle_spin_s)

@@ -146,6 +146,7 @@ class _NativeResult:
             "completion_tokens": len(self.ids),
             "cached_tokens": c.cached_tokens if c else 0,
             "finish_reason": _native_finish(c),
+            **({"cached_tokens_per_tier": c.cached_tiers} if c and c.cached_tiers is not None else {}),
             "e2e_latency": time.perf_counter() - self.start,
         }
         if self.gen.return_logprob:  # input_* are empty without prompt logprobs (logprob_start_len -1)
@@ -295,7 +296,8 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
         values resolved at start-up (``device``, ``dtype``, ``context_length``,
         ``max_total_tokens``, ``cuda_graph_max_bs`` (null: no decode graphs),
         ``admit_batch_size``, ``idle_spin_ms``, and for the KV cache dtypes that use them
-        ``kv_mixed_window_pages`` / ``kv_sink_slots``), the model info, ``max_total_num_tokens`` /
+        ``kv_mixed_window_pages`` / ``kv_sink_slots``), ``hicache`` (with a hierarchical cache: tier
+        sizes in pages, page bytes, the tiers' measured read bandwidths in bytes/s), the model info, ``max_total_num_tokens`` /
         ``max_req_input_len`` (SGLang's names), ``internal_states`` (the scheduler's last
         report: running/waiting requests, KV pool usage, prefix-cache hit rate,
         preemptions) and ``version``."""
@@ -306,6 +308,8 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
             resolved["kv_mixed_window_pages"] = args.mixed_window_pages
         if args.kv_cache_dtype == "fp8_e4m3":
             resolved["kv_sink_slots"] = args.sink_slots
+        if r.hicache is not None:
+            resolved["hicache"] = r.hicache
         return {**args.public_dict(), **resolved, **model_info(tm, args, model_path),
                 "max_total_num_tokens": r.max_total_tokens, "max_req_input_len": r.context_length - 1, "kv_cache_bytes": r.kv_bytes,
                 "internal_states": [_internal_state(tm.stats)], "version": VERSION}

@@ -72,6 +72,29 @@ class Metrics:
         self.kv_waste_ratio = gauge("kv_cache_waste_ratio", "kv_cache_waste_tokens / KV slots in use.")
         self.sink_total = gauge("kv_sink_slots_total", "Exact attention-sink slots of an FP8 KV pool "
                                 "(--kv-sink-slots; 0 without).")
+        def tiered(name: str, doc: str, label_name: str) -> Gauge:
+            return Gauge(f"radixlm:{name}", doc, ("model_name", label_name), registry=r)
+
+        # Hierarchical cache (--hicache-*): cumulative values are the scheduler's totals.
+        self.tier_hits = tiered("hicache_hit_tokens_total", "Prompt tokens reused, by the tier they "
+                                "came from (device, host, disk).", "tier")
+        self.tier_pages = tiered("hicache_pages_moved_total", "KV pages copied between tiers, by direction "
+                                 "(device_to_host, host_to_device, host_to_disk, disk_to_host).", "direction")
+        self.tier_bytes = tiered("hicache_bytes_moved_total", "Bytes copied between tiers, by direction.",
+                                 "direction")
+        self.tier_used = tiered("hicache_tier_used_pages", "Pages held in each lower tier (host, disk).", "tier")
+        self.tier_capacity = tiered("hicache_tier_total_pages", "Capacity of each lower tier in pages.", "tier")
+        self.prefetch = tiered("hicache_prefetch_total", "Disk prefetches of waiting requests, by outcome "
+                               "(complete: every page arrived; timeout: admitted first, the rest "
+                               "recomputed).", "outcome")
+        self.prefetch_failed = gauge("hicache_prefetch_failed_pages_total",
+                                     "Disk pages that failed verification (dropped, recomputed).")
+        self.prefetch_seconds = gauge("hicache_prefetch_seconds_total", "Summed prefetch wait (seconds): "
+                                      "divide by hicache_prefetch_total for the mean load latency.")
+        self.skipped_loads = gauge("hicache_skipped_load_pages_total", "Pages cached in a lower tier but "
+                                   "recomputed: the cost model found it faster.")
+        self.disk_skipped = gauge("hicache_disk_write_skipped_pages_total",
+                                  "Pages not written to the disk tier (quota or disk full).")
         self.sink_used = gauge("kv_sink_slots_used", "Exact attention-sink slots claimed by a first token; "
                                "once all are, requests with a new first token read position 0 from FP8.")
 
@@ -87,6 +110,24 @@ class Metrics:
             self.generation_tokens.inc(chunk.completion_tokens)
             self.cached_tokens.inc(chunk.cached_tokens)
             self.e2e.observe(elapsed)
+
+    def _render_tiers(self, hc) -> None:
+        name = self.model_name
+        for tier, n in hc.hit_tokens.items():
+            self.tier_hits.labels(model_name=name, tier=tier).set(n)
+        for direction, n in hc.pages_moved.items():
+            self.tier_pages.labels(model_name=name, direction=direction).set(n)
+            self.tier_bytes.labels(model_name=name, direction=direction).set(n * hc.page_bytes)
+        for tier, used, total in (("host", hc.host_pages_used, hc.host_pages_total),
+                                  ("disk", hc.disk_pages_used, hc.disk_pages_total)):
+            self.tier_used.labels(model_name=name, tier=tier).set(used)
+            self.tier_capacity.labels(model_name=name, tier=tier).set(total)
+        self.prefetch.labels(model_name=name, outcome="complete").set(hc.prefetch_hits)
+        self.prefetch.labels(model_name=name, outcome="timeout").set(hc.prefetch_timeouts)
+        self.prefetch_failed.set(hc.prefetch_failures)
+        self.prefetch_seconds.set(hc.prefetch_seconds)
+        self.skipped_loads.set(hc.skipped_loads)
+        self.disk_skipped.set(hc.disk_writes_skipped)
 
     def render(self, stats: SchedulerStats | None) -> tuple[bytes, str]:
         if stats is not None:
@@ -110,4 +151,6 @@ class Metrics:
             self.kv_waste_ratio.set(stats.kv_waste_tokens / used_slots if used_slots else 0.0)
             self.sink_total.set(stats.kv_sink_slots_total)
             self.sink_used.set(stats.kv_sink_slots_used)
+            if stats.hicache is not None:
+                self._render_tiers(stats.hicache)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

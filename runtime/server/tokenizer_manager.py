@@ -145,6 +145,7 @@ class SampleChunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    cached_tiers: dict[str, int] | None = None  # cached_tokens by tier (hierarchical cache)
 
     @property
     def finished(self) -> bool:
@@ -158,6 +159,7 @@ class _Sample:
         self.detok = detok
         self.completion_tokens = 0
         self.prompt_tokens = self.cached_tokens = 0  # from the first output (BatchOutput)
+        self.cached_tiers: dict[str, int] | None = None
         self.done = False
         self.text = ""  # kept only with --log-requests
 
@@ -419,9 +421,10 @@ class TokenizerManager:
         """The chunk of ``out``: a ReqOutput, or one plain token (BatchOutput's columns)."""
         if type(out) is int:
             out = m.ReqOutput(rid=sample.sid, new_token_ids=[out], prompt_tokens=sample.prompt_tokens,
-                              cached_tokens=sample.cached_tokens)
+                              cached_tokens=sample.cached_tokens, cached_tiers=sample.cached_tiers)
         else:
             sample.prompt_tokens, sample.cached_tokens = out.prompt_tokens, out.cached_tokens
+            sample.cached_tiers = out.cached_tiers
         text = sample.detok.push(out.new_token_ids)
         sample.completion_tokens += len(out.new_token_ids)
         if out.finish_reason is not None:
@@ -438,7 +441,7 @@ class TokenizerManager:
             prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs,
             finish_reason=out.finish_reason, matched_stop=out.matched_stop,
             prompt_tokens=out.prompt_tokens, completion_tokens=sample.completion_tokens,
-            cached_tokens=out.cached_tokens, error=out.error,
+            cached_tokens=out.cached_tokens, error=out.error, cached_tiers=out.cached_tiers,
         )
 
     # ----------------------------------------------------------------- control

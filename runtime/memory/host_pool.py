@@ -1,0 +1,304 @@
+"""Host-memory tier (L3) of the hierarchical KV cache: copies of device KV pages in CPU
+memory, page-first.
+
+Dimension letters: P pages, S page size (tokens per page), K kv heads, D head dim,
+L layers, G INT4 value group, n pages of one call.
+
+The device pool (``KVPool``) is layer-first: one tensor per layer, a page spread over L
+of them. A host row holds one logical page's bytes of every layer side by side, so that a
+page moves to and from disk as one contiguous record:
+
+    float / fp8_e4m3 pools, per layer l = 0 .. L-1:
+        K[l] [S, K, D]   V[l] [S, K, D]           (pool element bytes; V in the logical
+                                                   [S, K, D] order even where the pool
+                                                   stores it channel-major)
+    int4 / mixed pools:
+        per layer  k_codes [S, K, D/2] uint8   k_stat [2, K, D] fp16
+                   v_codes [S, K, D/2] uint8   v_stat [S, K, 2, D/G] fp16
+        flag       1 byte: 1 = the page was in an FP8 slot, 0 = INT4 only
+        per layer  K [S, K, D] e4m3   V [S, K, D] e4m3   (zeros when the flag is 0)
+
+Rows hold raw bytes only: they are meaningful to a pool of the same shape, format, FP8
+scales, channel means and key rotation. Exact sink slots (``KVPool.sink_k``) are per first
+token id, not per page, and are not part of a record.
+
+On CUDA the copies run on the host pool's own stream and are batched: a save gathers the
+pages of every layer into one device staging buffer [n, page_bytes] (one ``index_select``
+per layer tensor, writing straight into the staging rows), then copies runs of consecutive
+host rows device -> host; a load does the reverse. The host memory is pinned, so both
+directions are asynchronous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from radixlm.runtime.memory.kv_pool import KVPool, kv_page_bytes
+
+__all__ = ["HostKVPool", "host_page_bytes"]
+
+# (a pool tensor as uint8 with the page / slot dim first, byte offset in a row, bytes per page)
+_Segment = tuple[torch.Tensor, int, int]
+
+
+def host_page_bytes(pool: KVPool) -> int:
+    """Bytes of one page record in page-first layout (module doc), all layers of one page.
+
+    Float / FP8 pools: 2 x L x S x K x D x element bytes (``kv_page_bytes``). int4 / mixed:
+    the INT4 page with its statistics (``kv_page_bytes``) + 1 flag byte + the FP8 page,
+    2 x L x S x K x D. Arithmetic on the pool's shape only (reads no tensor)."""
+    args = (pool.model_dtype, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size)
+    if not pool.tiered:
+        return kv_page_bytes(pool.kv_cache_dtype, *args)
+    return kv_page_bytes(pool.kv_cache_dtype, *args) + 1 + kv_page_bytes("fp8_e4m3", *args)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as uint8, same storage (last dim x element size; any strides for 1-byte
+    dtypes, last dim contiguous otherwise)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _segments(tensors: Sequence[torch.Tensor], offset: int) -> tuple[list[_Segment], int]:
+    """Consecutive row segments for ``tensors`` from ``offset`` -> (segments, end offset)."""
+    out = []
+    for t in tensors:
+        raw = _as_bytes(t)
+        size = raw[0].numel()
+        out.append((raw, offset, size))
+        offset += size
+    return out, offset
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(i, j, rows[i]) for each maximal run ``rows[i:j]`` of consecutive increasing ids."""
+    runs, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            runs.append((start, i, rows[start]))
+            start = i
+    return runs
+
+
+class HostKVPool:
+    """Host copies of device KV pages in page-first layout (module doc).
+
+    Row h of ``data`` (uint8 [num_pages, page_bytes]) holds one logical page's bytes of
+    every layer, K then V per layer (for int4/mixed: the INT4 codes+stats of every layer,
+    then a one-byte flag and, when the flag is 1, the page's FP8 K/V bytes of every
+    layer). Pinned memory when the device pool is on CUDA. Row ids are allocated by the
+    caller (e.g. a ``PageAllocator`` of ``num_pages``: row 0 unused); nothing here tracks
+    which rows are in use.
+
+    Ordering on CUDA (all copies on ``self.stream``): a save sees every kernel enqueued on
+    the current stream before it, and kernels enqueued after it see the pages only once
+    they are gathered (so the pages may be freed at once); the next forward on the current
+    stream sees a load. The caller must not read or rewrite a row being saved before
+    ``wait_saves``, nor rewrite a row being loaded before ``load_event``.
+
+    Raises ValueError if ``num_pages`` < 1.
+    """
+
+    def __init__(self, device_pool: KVPool, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a host KV pool needs at least 1 page, got {num_pages}")
+        pool = self.pool = device_pool
+        self.num_pages = num_pages
+        self.page_bytes = host_page_bytes(pool)
+        layers = range(pool.num_layers)
+        if pool.tiered:
+            per_page = [t[layer] for layer in layers
+                        for t in (pool.k_codes, pool.k_stat, pool.v_codes, pool.v_stat)]  # fmt: skip
+            self._page_segments, self._flag_offset = _segments(per_page, 0)
+            per_slot = [t[layer] for layer in layers for t in (pool.k, pool.v)]
+            self._slot_segments, end = _segments(per_slot, self._flag_offset + 1)
+        else:
+            self._page_segments, end = _segments([t[layer] for layer in layers for t in (pool.k, pool.v)], 0)
+            self._flag_offset, self._slot_segments = -1, []
+        assert end == self.page_bytes, (end, self.page_bytes)
+        self.cuda = pool.device.type == "cuda"
+        self.data = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+        self._flag = bytearray(num_pages)  # host mirror of each row's FP8 flag (tiered pools)
+        self.stream = torch.cuda.Stream(pool.device) if self.cuda else None
+        self.save_event = torch.cuda.Event() if self.cuda else None  # recorded by each save
+        self.load_event = torch.cuda.Event() if self.cuda else None  # recorded by each load
+
+    @property
+    def total_bytes(self) -> int:
+        """Host memory of ``data``: num_pages x page_bytes."""
+        return self.num_pages * self.page_bytes
+
+    # ------------------------------------------------------------------ copies
+    @torch.inference_mode()
+    def save(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Copy logical device pages -> host rows, ``device_pages[i]`` into row
+        ``host_pages[i]`` (tiered pools: the INT4 page, and the FP8 slot's bytes when the
+        page has one, as ``fp8_slot`` stands now on the host).
+
+        On CUDA asynchronous, on ``self.stream`` after waiting for the current stream:
+        one ``index_select`` per layer tensor into a device staging buffer [n, page_bytes]
+        (the current stream then waits for this device-side gather, so the pages, and a
+        tiered pool's FP8 slots, may be rewritten, demoted or freed as soon as this
+        returns), then one device -> host copy per run of consecutive host rows, which run
+        on past the current stream; records ``save_event`` (``wait_saves`` blocks on it).
+        On CPU synchronous.
+        Raises ValueError on lists of different lengths, an id out of range or a repeated
+        host row."""
+        n = self._check(device_pages, host_pages, repeated=host_pages, where="host rows")
+        if n == 0:
+            return
+        pool = self.pool
+        slots = None
+        if pool.tiered:
+            slots = [pool._slot_of.get(p, 0) for p in device_pages]  # 0: the zeroed dummy slot
+            for h, s in zip(host_pages, slots, strict=True):
+                self._flag[h] = s > 0
+        if not self.cuda:
+            staging = self._gather(device_pages, slots)
+            self.data.index_copy_(0, torch.tensor(host_pages, dtype=torch.int64), staging)
+            return
+        assert self.stream is not None and self.save_event is not None
+        current = torch.cuda.current_stream(pool.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):  # staging allocated on (and freed to) this stream
+            staging = self._gather(device_pages, slots)
+            current.wait_stream(self.stream)  # later writes to the pages wait for the gather only
+            for i, j, h in _runs(host_pages):
+                self.data[h:h + j - i].copy_(staging[i:j], non_blocking=True)
+            self.save_event.record(self.stream)
+
+    @torch.inference_mode()
+    def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        """Copy host rows -> logical device pages, row ``host_pages[i]`` into
+        ``device_pages[i]``.
+
+        Tiered pools: every page's INT4 codes and statistics are written; a page whose
+        record has the FP8 flag gets an FP8 slot (``KVPool.assign_fp8_slots``, which may
+        demote other full pages when slots run short) holding its FP8 bytes; the others
+        lose any FP8 slot they had (``KVPool.release_fp8_slots``) and read as INT4.
+
+        On CUDA on ``self.stream`` after waiting for the current stream (so slot moves and
+        earlier readers of the pages come first): one host -> device copy per run of
+        consecutive host rows into a staging buffer, then one ``index_copy_`` per layer
+        tensor; records ``load_event`` and makes the current stream wait for it (the next
+        forward sees the data). Saves still in flight to these rows are on the same stream,
+        so they land first. On CPU synchronous.
+        Raises ValueError on lists of different lengths, an id out of range, a repeated
+        device page or device page 0 (the dummy); RuntimeError if a tiered pool has fewer
+        FP8 slots than flagged pages."""
+        n = self._check(device_pages, host_pages, repeated=device_pages, where="device pages")
+        if n == 0:
+            return
+        if 0 in device_pages:
+            raise ValueError("device page 0 is the pool's zero dummy page; it cannot be loaded into")
+        pool = self.pool
+        fp8_rows: list[int] = []
+        slots: list[int] = []
+        if pool.tiered:
+            fp8_rows = [i for i, h in enumerate(host_pages) if self._flag[h]]
+            fp8_pages = [device_pages[i] for i in fp8_rows]
+            pool.release_fp8_slots([p for i, p in enumerate(device_pages) if not self._flag[host_pages[i]]])
+            pool.assign_fp8_slots(fp8_pages)
+            slots = [pool._slot_of[p] for p in fp8_pages]
+        if not self.cuda:
+            staging = self.data.index_select(0, torch.tensor(host_pages, dtype=torch.int64))
+            self._scatter(staging, device_pages, fp8_rows, slots)
+            return
+        assert self.stream is not None and self.load_event is not None
+        current = torch.cuda.current_stream(pool.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            staging = torch.empty((n, self.page_bytes), dtype=torch.uint8, device=pool.device)
+            for i, j, h in _runs(host_pages):
+                staging[i:j].copy_(self.data[h:h + j - i], non_blocking=True)
+            self._scatter(staging, device_pages, fp8_rows, slots)
+            self.load_event.record(self.stream)
+        current.wait_stream(self.stream)
+
+    def fence(self) -> None:
+        """Make the current stream wait for every copy issued so far (a device page whose
+        save is in flight may be rewritten by the next kernel). A no-op on CPU."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.pool.device).wait_stream(self.stream)
+
+    def wait_saves(self) -> None:
+        """Block until every save issued so far is in host memory (a no-op on CPU)."""
+        if self.save_event is not None:
+            self.save_event.synchronize()
+
+    # ---------------------------------------------------------------- raw rows
+    def row(self, host_page: int) -> memoryview:
+        """The page_bytes bytes of row ``host_page`` (format "B", a writable view of CPU
+        memory, no copy), e.g. for a disk write; callers ``wait_saves()`` first.
+        Raises IndexError for a row out of range."""
+        self._check_row(host_page)
+        return memoryview(self.data[host_page].numpy())
+
+    def write_row(self, host_page: int, data: bytes | bytearray | memoryview) -> None:
+        """Fill row ``host_page`` from a record's bytes (e.g. a disk read; C-contiguous).
+        Raises IndexError for a row out of range, ValueError if the length is not
+        page_bytes or (tiered pools) the flag byte is neither 0 nor 1."""
+        self._check_row(host_page)
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.page_bytes:
+            raise ValueError(f"host KV row: {view.nbytes} bytes given, a row holds {self.page_bytes}")
+        if self._flag_offset >= 0:
+            flag = view[self._flag_offset]
+            if flag not in (0, 1):
+                raise ValueError(f"host KV row: FP8 flag byte {flag}, expected 0 or 1")
+            self._flag[host_page] = flag
+        self.data[host_page].numpy()[:] = np.frombuffer(view, dtype=np.uint8)
+
+    # ----------------------------------------------------------------- helpers
+    def _gather(self, device_pages: Sequence[int], slots: Sequence[int] | None) -> torch.Tensor:
+        """Device staging [n, page_bytes] uint8 of the pages' records."""
+        pool, n = self.pool, len(device_pages)
+        staging = torch.empty((n, self.page_bytes), dtype=torch.uint8, device=pool.device)
+        index = torch.tensor(device_pages, dtype=torch.int64).to(pool.device, non_blocking=True)
+        for raw, offset, size in self._page_segments:
+            torch.index_select(raw, 0, index, out=staging[:, offset:offset + size].view(n, *raw.shape[1:]))
+        if slots is not None:
+            flags = torch.tensor([s > 0 for s in slots], dtype=torch.uint8)
+            staging[:, self._flag_offset].copy_(flags.to(pool.device, non_blocking=True))
+            index = torch.tensor(slots, dtype=torch.int64).to(pool.device, non_blocking=True)
+            for raw, offset, size in self._slot_segments:
+                torch.index_select(raw, 0, index, out=staging[:, offset:offset + size].view(n, *raw.shape[1:]))
+        return staging
+
+    def _scatter(self, staging: torch.Tensor, device_pages: Sequence[int], fp8_rows: Sequence[int],
+                 slots: Sequence[int]) -> None:
+        """Staging [n, page_bytes] -> the pages (and rows ``fp8_rows`` -> FP8 ``slots``)."""
+        device, n = self.pool.device, len(device_pages)
+        index = torch.tensor(device_pages, dtype=torch.int64).to(device, non_blocking=True)
+        for raw, offset, size in self._page_segments:
+            raw.index_copy_(0, index, staging[:, offset:offset + size].view(n, *raw.shape[1:]))
+        if not fp8_rows:
+            return
+        m = len(fp8_rows)
+        if m < n:
+            staging = staging.index_select(0, torch.tensor(fp8_rows, dtype=torch.int64).to(device, non_blocking=True))
+        index = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+        for raw, offset, size in self._slot_segments:
+            raw.index_copy_(0, index, staging[:, offset:offset + size].view(m, *raw.shape[1:]))
+
+    def _check(self, device_pages: Sequence[int], host_pages: Sequence[int], repeated: Sequence[int],
+               where: str) -> int:
+        n = len(device_pages)
+        if len(host_pages) != n:
+            raise ValueError(f"{n} device pages but {len(host_pages)} host rows")
+        if n == 0:
+            return 0
+        if min(device_pages) < 0 or max(device_pages) >= self.pool.num_pages:
+            raise ValueError(f"device page out of range [0, {self.pool.num_pages})")
+        if min(host_pages) < 0 or max(host_pages) >= self.num_pages:
+            raise ValueError(f"host row out of range [0, {self.num_pages})")
+        if len(set(repeated)) != n:
+            raise ValueError(f"repeated {where}")
+        return n
+
+    def _check_row(self, host_page: int) -> None:
+        if not 0 <= host_page < self.num_pages:
+            raise IndexError(f"host row {host_page} out of range [0, {self.num_pages})")
