@@ -1,0 +1,211 @@
+"""The hierarchical KV cache on a GPU, in process (``LocalServer``: the server without HTTP).
+
+``ttft``: time to first token of a prompt of L tokens (4K, 16K, 32K) whose cached prefix
+comes from the device pool (L1), the host tier (L3: pushed out of the device by filler
+prompts first), the disk tier (L4: a second server on the same storage folder after the
+first one stopped, with the page files dropped from the OS page cache), or nowhere
+(recompute: the prompt's first request). The first token is the whole request here
+(``max_new_tokens`` 1, no HTTP), so TTFT = the request's latency. The tiers' bandwidths
+measured at start-up are recorded.
+
+``multiturn``: many conversations at once (SGLang's bench_multiturn shape): C clients,
+each T turns of a Q-token question and an A-token answer, the prompt being the whole
+history; clients run closed-loop, all at once, so a client's history has left the device
+pool by its next turn (the working set is several times the pool). Throughput and TTFT
+p50 / p99 for the device pool only (L1), with a host tier holding the working set
+(L1+L3), and with a smaller host tier plus the disk tier (L1+L3+L4).
+
+    . bench/gpu_env.sh && python3 bench/kv_cache/hicache_gpu.py ttft --tokenizer-dir .gpu_tok --out $OUT
+    . bench/gpu_env.sh && python3 bench/kv_cache/hicache_gpu.py multiturn --tokenizer-dir .gpu_tok --out $OUT
+
+Random bf16 weights of the Llama-3-8B shape (``e2e/gpu_e2e.py``), built once under
+``--models-root``. On the CPU (``GPU_E2E_DEVICE=cpu``) use ``--shape tiny`` and small sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH / "e2e")]
+from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
+
+from radixlm.runtime.engine import LocalServer  # noqa: E402
+from radixlm.runtime.server_args import ServerArgs  # noqa: E402
+
+
+def server(model: Path, args: argparse.Namespace, **extra) -> LocalServer:
+    flags = dict(model_path=str(model), device=DEVICE, log_level="warning", context_length=args.context_length,
+                 max_total_tokens=args.device_tokens, max_prefill_tokens=16384, chunked_prefill_size=8192,
+                 max_running_requests=64)
+    flags.update(extra)
+    return LocalServer(ServerArgs(**flags))
+
+
+def ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def first_token(srv: LocalServer, prompt: list[int]) -> tuple[float, dict]:
+    """Seconds to the first token (``max_new_tokens`` 1) and the response's meta_info."""
+    start = time.perf_counter()
+    out = srv.post("/generate", {"input_ids": prompt, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 1, "ignore_eos": True}})
+    return time.perf_counter() - start, out["meta_info"]
+
+
+def drop_page_cache(folder: Path) -> int:
+    """Ask the OS to drop the page files from its page cache (clean pages: no root needed)."""
+    n = 0
+    for f in folder.rglob("*.kvpage"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
+def run_ttft(model: Path, args: argparse.Namespace, out: dict) -> None:
+    rng = random.Random(0)
+    store = Path(args.storage_dir)
+    prompts = {n: ids(rng, n, args.vocab) for n in args.lengths}
+    tiers = dict(hicache_size_gb=args.host_gb, hicache_storage_dir=str(store), hicache_storage_size_gb=args.disk_gb)
+    rows = out.setdefault("ttft", [])
+    with server(model, args, **tiers) as srv:
+        out["tiers"] = srv.tm.ready.hicache
+        for n, prompt in prompts.items():
+            for _ in range(2):  # compile / warm up at this length
+                first_token(srv, ids(rng, n, args.vocab))
+            t, meta = first_token(srv, prompt)
+            rows.append(dict(tokens=n, source="recompute", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
+            t, meta = first_token(srv, prompt)
+            rows.append(dict(tokens=n, source="L1", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
+            filled, size = 0, min(8192, args.context_length - 16, args.device_tokens // 2)
+            while filled < 2 * args.device_tokens:  # push the prompt's pages down to the host
+                first_token(srv, ids(rng, size, args.vocab))
+                filled += size
+            t, meta = first_token(srv, prompt)
+            rows.append(dict(tokens=n, source="L3", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
+            print(json.dumps(rows[-3:]), flush=True)
+    out["page_files_dropped_from_page_cache"] = drop_page_cache(store)
+    with server(model, args, **tiers) as srv:
+        for n, prompt in prompts.items():
+            first_token(srv, ids(rng, n, args.vocab))  # graphs / kernels at this length
+            t, meta = first_token(srv, prompt)
+            rows.append(dict(tokens=n, source="L4", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
+            print(json.dumps(rows[-1]), flush=True)
+        out["l4_stats"] = _stats(srv)
+
+
+def _stats(srv: LocalServer) -> dict:
+    time.sleep(0.6)  # the scheduler reports every 0.5 s
+    stats = srv.tm.stats
+    if stats is None or stats.hicache is None:
+        return {}
+    hc = stats.hicache
+    return {f: getattr(hc, f) for f in hc.__struct_fields__}
+
+
+def run_multiturn(model: Path, args: argparse.Namespace, out: dict) -> None:
+    configs = {
+        "L1": {},
+        "L1+L3": dict(hicache_size_gb=args.host_gb),
+        "L1+L3+L4": dict(hicache_size_gb=args.small_host_gb, hicache_storage_dir=str(args.storage_dir) + "-mt",
+                         hicache_storage_size_gb=args.disk_gb),
+    }
+    for name in args.configs:
+        with server(model, args, **configs[name]) as srv:
+            first_token(srv, ids(random.Random(1), min(4096, args.device_tokens // 2), args.vocab))  # warm-up
+            result = _conversations(srv, args)
+            result["config"] = name
+            result["hicache"] = _stats(srv)
+            out.setdefault("multiturn", []).append(result)
+            print(json.dumps({k: v for k, v in result.items() if k != "hicache"}), flush=True)
+
+
+def _conversations(srv: LocalServer, args: argparse.Namespace) -> dict:
+    """C closed-loop clients, T turns each; returns throughput and TTFT percentiles."""
+    ttfts: list[float] = []
+    prompt_tokens = output_tokens = cached = 0
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        nonlocal prompt_tokens, output_tokens, cached
+        rng = random.Random(100 + c)
+        history: list[int] = []
+        for _ in range(args.turns):
+            history += ids(rng, args.question, args.vocab)
+            start = time.perf_counter()
+            first = None
+            tokens: list[int] = []
+            meta = {}
+            for event in srv.stream("/generate", {"input_ids": history, "stream": True, "sampling_params": {
+                    "temperature": 0, "max_new_tokens": args.answer, "ignore_eos": True}}):
+                if first is None and event.get("output_ids"):
+                    first = time.perf_counter() - start
+                tokens = event.get("output_ids", tokens)
+                meta = event.get("meta_info", meta)
+            with lock:
+                ttfts.append(first if first is not None else time.perf_counter() - start)
+                prompt_tokens += len(history)
+                output_tokens += len(tokens)
+                cached += meta.get("cached_tokens", 0)
+            history += tokens
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ttfts.sort()
+    return dict(clients=args.clients, turns=args.turns, question=args.question, answer=args.answer,
+                device_tokens=args.device_tokens, wall_s=wall, requests=len(ttfts),
+                output_tok_s=output_tokens / wall, prompt_tok_s=prompt_tokens / wall,
+                cache_hit_rate=cached / max(prompt_tokens, 1),
+                ttft_p50_s=statistics.median(ttfts), ttft_p99_s=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=("ttft", "multiturn"))
+    ap.add_argument("--tokenizer-dir", type=Path, required=True)
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--models-root", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--context-length", type=int, default=34000)
+    ap.add_argument("--device-tokens", type=int, default=40960, help="device KV pool (tokens)")
+    ap.add_argument("--host-gb", type=float, default=32.0, help="host tier holding the working set")
+    ap.add_argument("--small-host-gb", type=float, default=8.0, help="host tier of the L1+L3+L4 run")
+    ap.add_argument("--disk-gb", type=float, default=48.0)
+    ap.add_argument("--storage-dir", default="/tmp/radixlm-kv")
+    ap.add_argument("--clients", type=int, default=24)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--question", type=int, default=1536)
+    ap.add_argument("--answer", type=int, default=64)
+    ap.add_argument("--configs", nargs="+", default=["L1", "L1+L3", "L1+L3+L4"])
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    model, _ = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root)
+    out: dict = {"shape": args.shape, "device": DEVICE, "args": {k: str(v) for k, v in vars(args).items()}}
+    try:
+        (run_ttft if args.what == "ttft" else run_multiturn)(model, args, out)
+    finally:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"hicache_{args.what}.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
