@@ -75,7 +75,7 @@ def drop_page_cache(folder: Path) -> int:
     return n
 
 
-def run_ttft(model: Path, args: argparse.Namespace, out: dict) -> None:
+def run_ttft(model: Path, args: argparse.Namespace, out: dict, save) -> None:
     rng = random.Random(0)
     store = Path(args.storage_dir)
     prompts = {n: ids(rng, n, args.vocab) for n in args.lengths}
@@ -90,13 +90,16 @@ def run_ttft(model: Path, args: argparse.Namespace, out: dict) -> None:
             rows.append(dict(tokens=n, source="recompute", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
             t, meta = first_token(srv, prompt)
             rows.append(dict(tokens=n, source="L1", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
-            filled, size = 0, min(8192, args.context_length - 16, args.device_tokens // 2)
-            while filled < 2 * args.device_tokens:  # push the prompt's pages down to the host
-                first_token(srv, ids(rng, size, args.vocab))
-                filled += size
+            print(json.dumps(rows[-2:]), flush=True)
+        filled, size = 0, min(8192, args.context_length - 16, args.device_tokens // 2)
+        while filled < 1.25 * args.device_tokens:  # push the prompts' pages down to the host
+            first_token(srv, ids(rng, size, args.vocab))
+            filled += size
+        for n, prompt in prompts.items():
             t, meta = first_token(srv, prompt)
             rows.append(dict(tokens=n, source="L3", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
-            print(json.dumps(rows[-3:]), flush=True)
+            print(json.dumps(rows[-1]), flush=True)
+        save(out)
     out["page_files_dropped_from_page_cache"] = drop_page_cache(store)
     with server(model, args, **tiers) as srv:
         for n, prompt in prompts.items():
@@ -116,7 +119,7 @@ def _stats(srv: LocalServer) -> dict:
     return {f: getattr(hc, f) for f in hc.__struct_fields__}
 
 
-def run_multiturn(model: Path, args: argparse.Namespace, out: dict) -> None:
+def run_multiturn(model: Path, args: argparse.Namespace, out: dict, save) -> None:
     configs = {
         "L1": {},
         "L1+L3": dict(hicache_size_gb=args.host_gb),
@@ -131,6 +134,7 @@ def run_multiturn(model: Path, args: argparse.Namespace, out: dict) -> None:
             result["hicache"] = _stats(srv)
             out.setdefault("multiturn", []).append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "hicache"}), flush=True)
+            save(out)
 
 
 def _conversations(srv: LocalServer, args: argparse.Namespace) -> dict:
@@ -186,10 +190,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--context-length", type=int, default=34000)
-    ap.add_argument("--device-tokens", type=int, default=40960, help="device KV pool (tokens)")
-    ap.add_argument("--host-gb", type=float, default=32.0, help="host tier holding the working set")
+    ap.add_argument("--device-tokens", type=int, default=36864, help="device KV pool (tokens)")
+    ap.add_argument("--host-gb", type=float, default=28.0, help="host tier holding the working set")
     ap.add_argument("--small-host-gb", type=float, default=8.0, help="host tier of the L1+L3+L4 run")
-    ap.add_argument("--disk-gb", type=float, default=48.0)
+    ap.add_argument("--disk-gb", type=float, default=30.0)
     ap.add_argument("--storage-dir", default="/tmp/radixlm-kv")
     ap.add_argument("--clients", type=int, default=24)
     ap.add_argument("--turns", type=int, default=5)
@@ -200,11 +204,15 @@ def main() -> None:
     args = ap.parse_args()
     model, _ = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root)
     out: dict = {"shape": args.shape, "device": DEVICE, "args": {k: str(v) for k, v in vars(args).items()}}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save(result: dict) -> None:  # after each part: a run cut short keeps what it measured
+        (args.out / f"hicache_{args.what}.json").write_text(json.dumps(result, indent=1))
+
     try:
-        (run_ttft if args.what == "ttft" else run_multiturn)(model, args, out)
+        (run_ttft if args.what == "ttft" else run_multiturn)(model, args, out, save)
     finally:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"hicache_{args.what}.json").write_text(json.dumps(out, indent=1))
+        save(out)
 
 
 if __name__ == "__main__":
