@@ -3,7 +3,8 @@
 ``radixlm bench cache-sim`` replays request traces (``radixlm.runtime.bench.cache_traces``)
 against a ``RadixTree`` holding at most C pages, without running a model, for every
 eviction policy in ``EVICTION_POLICIES`` and C = 10%..80% of the trace's working set, and
-reports the token hit rate next to Belady's offline optimum on the same trace.
+reports the token hit rate next to Belady's offline optimum on the same trace. With
+``--tiers`` it replays a device tier and a host tier instead (``cache_sim_tiers``).
 
 One request, as the server handles it (runtime/scheduler/prefix_cache.py), done instantly at its
 arrival time (the tree's clock):
@@ -62,10 +63,12 @@ from tqdm import tqdm
 
 from radixlm.radix import EVICTION_POLICIES, RadixTree
 from radixlm.runtime.bench.cache_traces import (
+    MooncakeConfig,
     MultiTurnConfig,
     ScanMixConfig,
     SharedPrefixConfig,
     TraceRequest,
+    mooncake,
     scan_mix,
     shared_prefix,
     sharegpt_multiturn,
@@ -187,16 +190,16 @@ class _MinCache:
     current while the page is cached and its next use is unchanged.
     """
 
-    def __init__(self, pt: PageTrace, capacity: int) -> None:
-        self.pt, self.capacity = pt, capacity
+    def __init__(self, pt: PageTrace, capacity: int, resident: int) -> None:
+        self.pt, self.capacity, self.resident = pt, capacity, resident
         self.never = len(pt.paths)  # next use of a page nobody reads again
         self.cached = bytearray(pt.num_pages)
         self.next_use = [self.never] * pt.num_pages
         self.cursor = [0] * pt.num_pages  # index into uses[p] of the next use
-        # admits[p]: requests that make p resident (p in their path cut to the budget)
+        # admits[p]: requests that make p resident (p in their path cut to ``resident``)
         self.admits: list[list[int]] = [[] for _ in range(pt.num_pages)]
         for j, path in enumerate(pt.paths):
-            for page in path[:capacity]:
+            for page in path[:resident]:
                 self.admits[page].append(j)
         self.admit_cursor = [0] * pt.num_pages
         self.size = self.evicted = 0
@@ -212,8 +215,9 @@ class _MinCache:
         return n
 
     def admit(self, j: int) -> None:
-        """Make request j's pages (cut to the budget) resident, then evict down to it."""
-        path = self.pt.paths[j][: self.capacity]
+        """Make request j's pages (cut to ``resident``) resident, then evict down to the
+        budget."""
+        path = self.pt.paths[j][: self.resident]
         for page in path:
             self._advance(page, j)
             if not self.cached[page]:
@@ -254,9 +258,16 @@ class _MinCache:
             heapq.heappush(self.heap, entry)
 
 
-def belady(pt: PageTrace, page_size: int, capacity_pages: int) -> SimResult:
-    """Belady's MIN on ``pt`` with ``capacity_pages`` pages (see the module docstring)."""
-    cache = _MinCache(pt, capacity_pages)
+def belady(
+    pt: PageTrace, page_size: int, capacity_pages: int, resident_pages: int | None = None
+) -> SimResult:
+    """Belady's MIN on ``pt`` with ``capacity_pages`` pages (see the module docstring).
+
+    ``resident_pages`` (default: ``capacity_pages``, at most that): a request makes only
+    the first that many pages of its path resident, as a two-tier cache whose device
+    holds fewer pages than both tiers together (``cache_sim_tiers``)."""
+    resident = capacity_pages if resident_pages is None else min(resident_pages, capacity_pages)
+    cache = _MinCache(pt, capacity_pages, resident)
     cached = 0
     for j in range(len(pt.paths)):
         cached += cache.hits(j) * page_size
@@ -283,20 +294,35 @@ def capacity_sweep(
 
 
 # ----------------------------------------------------------------------------- report
-TRACES = ("multiturn", "shared-prefix", "scan-mix")
+TRACES = ("multiturn", "shared-prefix", "scan-mix", "mooncake")
 CONFIGS = {
     "multiturn": MultiTurnConfig,
     "shared-prefix": SharedPrefixConfig,
     "scan-mix": ScanMixConfig,
+    "mooncake": MooncakeConfig,
 }
-FLAG_PREFIX = {"multiturn": "mt", "shared-prefix": "gsp", "scan-mix": "scan"}
+FLAG_PREFIX = {"multiturn": "mt", "shared-prefix": "gsp", "scan-mix": "scan", "mooncake": "mooncake"}
+DEFAULT_TRACES = ("multiturn", "shared-prefix", "scan-mix")  # mooncake needs its file
 DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+# --tiers: device (C1) and host (C2) sizes as fractions of the working set
+DEFAULT_TIER_TRACES = ("mooncake", "multiturn")
+DEFAULT_DEVICE_FRACTIONS = (0.005, 0.01, 0.02, 0.04, 0.08)
+DEFAULT_HOST_FRACTIONS = (0.0, 0.1, 0.25, 0.5)
+WRITE_POLICIES = ("write_back", "write_through")  # as the server's --hicache-write-policy
 
 
 def build_trace(name: str, cfg: Any, seed: int, tokenizer_dir: str | None) -> list[TraceRequest]:
     if name == "multiturn":
         return sharegpt_multiturn(cfg, seed, tokenizer_dir)
+    if name == "mooncake":
+        return mooncake(cfg.path, cfg.max_requests)
     return shared_prefix(cfg, seed) if name == "shared-prefix" else scan_mix(cfg, seed)
+
+
+def trace_page_size(name: str, page_size: int) -> int:
+    """Tokens per page for a trace: ``page_size``, but 1 for mooncake (one page per
+    512-token block, its token ids being block ids)."""
+    return 1 if name == "mooncake" else page_size
 
 
 def result_row(trace: str, fraction: float, working_set: int, result: SimResult) -> dict:
@@ -394,9 +420,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Replay request traces against the radix tree at several page budgets; "
         "token hit rate per eviction policy next to Belady's offline optimum.",
     )
-    p.add_argument("--traces", nargs="+", choices=TRACES, default=list(TRACES))
     p.add_argument(
-        "--policies", nargs="+", choices=tuple(EVICTION_POLICIES), default=list(EVICTION_POLICIES)
+        "--traces",
+        nargs="+",
+        choices=TRACES,
+        help=f"default: {' '.join(DEFAULT_TRACES)}; with --tiers {' '.join(DEFAULT_TIER_TRACES)}",
+    )
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        choices=tuple(EVICTION_POLICIES),
+        help="eviction policies (default: all; with --tiers lru)",
     )
     p.add_argument(
         "--capacities",
@@ -405,7 +439,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=list(DEFAULT_FRACTIONS),
         help="page budgets as fractions of each trace's working set",
     )
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="tokens per KV page (mooncake: always 1, one page per 512-token block)",
+    )
+    tiers = p.add_argument_group("two-tier mode (hierarchical KV cache)")
+    tiers.add_argument(
+        "--tiers",
+        action="store_true",
+        help="replay against a device tier and a host tier under the radix tree "
+        "(cache_sim_tiers): hit rate per tier for every device x host size, next to "
+        "Belady and the infinite cache; writes cache_sim_tiers.{jsonl,png}",
+    )
+    tiers.add_argument(
+        "--device-capacities",
+        nargs="+",
+        type=float,
+        default=list(DEFAULT_DEVICE_FRACTIONS),
+        help="device tier sizes as fractions of each trace's working set",
+    )
+    tiers.add_argument(
+        "--host-capacities",
+        nargs="+",
+        type=float,
+        default=list(DEFAULT_HOST_FRACTIONS),
+        help="host tier sizes as fractions of each trace's working set (0: no host tier)",
+    )
+    tiers.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        default="write_back",
+        help="write_back: copy a page to the host when the device evicts it; "
+        "write_through: when it is inserted",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of every trace generator")
     p.add_argument(
         "--tokenizer-path",
@@ -420,44 +488,76 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for trace in TRACES:
         _add_config_args(p, trace)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.traces = args.traces or list(DEFAULT_TIER_TRACES if args.tiers else DEFAULT_TRACES)
+    args.policies = args.policies or (["lru"] if args.tiers else list(EVICTION_POLICIES))
+    return args
+
+
+def load_trace(
+    trace: str, args: argparse.Namespace
+) -> tuple[list[TraceRequest], PageTrace, dict]:
+    """Build one trace; its page paths; its JSON line (with the infinite cache's hit rate,
+    ``max_hit_rate``, and ``hit_unit``: what the hit rates count, tokens or blocks)."""
+    cfg = _config_from_args(args, trace)
+    requests = build_trace(trace, cfg, args.seed, args.tokenizer_path)
+    page_size = trace_page_size(trace, args.page_size)
+    pt = PageTrace.build(requests, page_size)
+    row = {
+        "kind": "trace",
+        "trace": trace,
+        "seed": args.seed,
+        "page_size": page_size,
+        "hit_unit": "block" if trace == "mooncake" else "token",
+        "working_set_pages": pt.num_pages,
+        "max_hit_rate": belady(pt, page_size, pt.num_pages).hit_rate,
+        **trace_summary(requests),
+        "config": dataclasses.asdict(cfg),
+    }
+    return requests, pt, row
 
 
 def _sweep_trace(trace: str, args: argparse.Namespace, bar: tqdm) -> list[dict]:
     """Build one trace, then run Belady and every policy at every capacity."""
     bar.set_postfix_str(f"building {trace}")
-    cfg = _config_from_args(args, trace)
-    requests = build_trace(trace, cfg, args.seed, args.tokenizer_path)
-    pt = PageTrace.build(requests, args.page_size)
-    unbounded = belady(pt, args.page_size, pt.num_pages)
-    rows = [
-        {
-            "kind": "trace",
-            "trace": trace,
-            "seed": args.seed,
-            "page_size": args.page_size,
-            "working_set_pages": pt.num_pages,
-            "max_hit_rate": unbounded.hit_rate,
-            **trace_summary(requests),
-            "config": dataclasses.asdict(cfg),
-        }
-    ]
+    requests, pt, info = load_trace(trace, args)
+    rows = [info]
 
     def record(fraction: float, result: SimResult) -> None:
         rows.append({"kind": "result", **result_row(trace, fraction, pt.num_pages, result)})
         bar.set_postfix_str(f"{trace} {fraction:.0%} {result.policy}")
         bar.update(1)
 
-    capacity_sweep(requests, pt, args.page_size, args.capacities, args.policies, record)
+    capacity_sweep(requests, pt, info["page_size"], args.capacities, args.policies, record)
     return rows
+
+
+def trace_header(info: dict) -> str:
+    """One line on a trace: requests, working set, the infinite cache's hit rate."""
+    pages = " (one per 512-token block)" if info["hit_unit"] == "block" else ""
+    return (
+        f"{info['trace']}: {info['requests']} requests, working set {info['working_set_pages']} "
+        f"pages{pages}, best possible (infinite cache) {info['hit_unit']} hit rate "
+        f"{info['max_hit_rate']:.1%}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:  # fail before the long part
         raise SystemExit("radixlm bench cache-sim needs matplotlib: pip install 'radixlm[bench]'")
+    if "mooncake" in args.traces and not Path(args.mooncake_path).is_file():
+        raise SystemExit(
+            f"radixlm bench cache-sim: no Mooncake trace at {Path(args.mooncake_path).resolve()}; "
+            "pass --mooncake-path (conversation_trace.jsonl of kvcache-ai/Mooncake, "
+            "FAST25-release/traces/)"
+        )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.tiers:
+        from radixlm.runtime.bench.cache_sim_tiers import run  # (it imports this module)
+
+        return run(args, out)
     rows: list[dict] = []
     runs = len(args.traces) * len(args.capacities) * (len(args.policies) + 1)
     with tqdm(total=runs, unit="run", desc="cache-sim", disable=args.no_progress) as bar:
@@ -469,10 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, args.traces, args.policies, out / "cache_sim.png")
     for trace in args.traces:
         info = next(r for r in rows if r["kind"] == "trace" and r["trace"] == trace)
-        print(
-            f"\n{trace}: {info['requests']} requests, working set {info['working_set_pages']} "
-            f"pages, best possible hit rate {info['max_hit_rate']:.1%}"
-        )
+        print(f"\n{trace_header(info)}")
         print(format_table(trace, results, args.policies))
     print(f"\nwrote {out / 'cache_sim.jsonl'} and {out / 'cache_sim.png'}")
     return 0

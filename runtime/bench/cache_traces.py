@@ -2,7 +2,8 @@
 
 A trace is a list of ``TraceRequest`` in arrival order: token ids of the prompt, token ids
 of the output the server would generate (the simulator caches prompt + output, as the
-server does when a request finishes), and an arrival time in seconds. Three generators:
+server does when a request finishes), and an arrival time in seconds. Three generators
+and a loader:
 
 * ``sharegpt_multiturn``: real ShareGPT conversations (``radixlm.runtime.bench.sharegpt``;
   the records the dataset split a chat into are joined back, see ``_conversations``),
@@ -17,6 +18,9 @@ server does when a request finishes), and an arrival time in seconds. Three gene
 * ``scan_mix``: a reusable working set (hot documents with Zipf popularity, each request
   adding a short question) interleaved with one-off long prompts that are never reused
   (a "scan", the classic LRU-polluting pattern).
+* ``mooncake``: the Mooncake production conversation trace (a file of 512-token block
+  hashes, no tokens): each block is one token id, replayed with one-token pages, so hit
+  rates on it are block hit rates.
 
 Torch-free; the ShareGPT trace needs a tokenizer directory with a ``tokenizer.json``
 (package ``tokenizers``), found from the default model when not given.
@@ -24,10 +28,11 @@ Torch-free; the ShareGPT trace needs a tokenizer directory with a ``tokenizer.js
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, islice
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +45,8 @@ __all__ = [
     "sample_conversations",
     "shared_prefix",
     "scan_mix",
+    "MooncakeConfig",
+    "mooncake",
 ]
 
 VOCAB_SIZE = 49152  # SmolLM2's vocabulary; synthetic traces draw token ids below it
@@ -59,7 +66,7 @@ class TraceRequest:
     arrival_s: float
     prompt: tuple[int, ...]
     output: tuple[int, ...]
-    session: int  # conversation / group / hot document; -1 for a one-off prompt
+    session: int  # conversation / group / hot document; -1: a one-off prompt, or not known
 
 
 # ----------------------------------------------------------------------------- multi-turn
@@ -292,6 +299,62 @@ def scan_mix(cfg: ScanMixConfig, seed: int = 0) -> list[TraceRequest]:
     return [
         TraceRequest(t, prompt, _random_ids(rng, cfg.output_len), session)
         for t, (session, prompt) in zip(times, _scan_mix_requests(cfg, rng), strict=True)
+    ]
+
+
+# ----------------------------------------------------------------------------- Mooncake
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash block of the Mooncake traces
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """The Mooncake conversation trace file (see ``mooncake``)."""
+
+    path: str = _cfg(
+        "../shared/data/traces/mooncake_conversation_trace.jsonl",
+        "the trace's JSON lines, relative to the current directory",
+    )
+    max_requests: int = _cfg(0, "read only the first N lines (0: all)")
+
+
+def mooncake(path: str | Path, max_requests: int = 0) -> list[TraceRequest]:
+    """The Mooncake trace (FAST'25, kvcache-ai/Mooncake ``FAST25-release/traces``) in
+    timestamp order; ``max_requests`` > 0 reads only the first lines of the file.
+
+    Each line holds ``timestamp`` (ms), ``input_length``, ``output_length`` (tokens) and
+    ``hash_ids``: one id per 512-token prompt block, chained on the prefix, so equal ids
+    at a position mean an equal prefix; the last block may be partial. The prompt is the
+    block ids themselves (one token per block: replay with ``page_size`` 1, one page per
+    block), so hit rates are **block** hit rates. Only whole blocks are ever hit (the
+    last block is never matched: the server recomputes the last prompt token), so the
+    token-weighted hit rate is 512 x hit blocks / input tokens: block hit rate x 1.020
+    on the whole file.
+
+    Output tokens are not inserted (the hash ids of a conversation's next turn already
+    cover its history). What is inserted is the prompt's whole blocks: a partial last
+    block (12,009 of 12,031 requests) is left out, as a page-granular cache leaves out
+    a partial page; a full one is kept, which ``output`` = one token (the never-inserted
+    last output token of the simulator's request model) expresses. Sessions are not
+    known (-1). An infinite cache hits 36.6% of prompt blocks (the file's README).
+    FileNotFoundError names the path when it is missing.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"no Mooncake trace at {file.resolve()} (get conversation_trace.jsonl from "
+            "kvcache-ai/Mooncake, FAST25-release/traces/, and pass --mooncake-path)"
+        )
+    with file.open() as lines:
+        records = [json.loads(line) for line in islice(lines, max_requests or None)]
+    records.sort(key=lambda r: r["timestamp"])  # stable: ties keep file order
+    return [
+        TraceRequest(
+            r["timestamp"] / 1000,
+            tuple(r["hash_ids"]),
+            () if r["input_length"] % MOONCAKE_BLOCK_TOKENS else (0,),
+            -1,
+        )
+        for r in records
     ]
 
 

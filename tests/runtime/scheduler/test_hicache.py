@@ -87,6 +87,7 @@ def test_host_tier_reloads_an_evicted_prefix(smollm2_dir: str, reference) -> Non
         assert stats.hit_tokens["host"] >= tiers["host"]
 
 
+@pytest.mark.slow
 def test_write_back_demotes_on_eviction(smollm2_dir: str, reference) -> None:
     """write_back: nothing is copied down until the device evicts; the first prompt
     then still comes back from the host."""
@@ -121,7 +122,8 @@ def test_disk_tier_survives_a_restart(smollm2_dir: str, reference, tmp_path: Pat
         _idle_ok(server)
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign"])
+@pytest.mark.parametrize("damage", [
+    "corrupt", pytest.param("truncate", marks=pytest.mark.slow), pytest.param("foreign", marks=pytest.mark.slow)])
 def test_damaged_page_files_are_misses(smollm2_dir: str, reference, tmp_path: Path, damage: str) -> None:
     """Every stored page damaged (a flipped payload byte, cut short, or another model's
     identity in the header): server B recomputes, answers identically, drops the files,
@@ -151,6 +153,7 @@ def test_damaged_page_files_are_misses(smollm2_dir: str, reference, tmp_path: Pa
     assert not any(f.exists() and f.read_bytes() == b"" for f in files)
 
 
+@pytest.mark.slow
 def test_tiny_disk_quota_keeps_serving(smollm2_dir: str, reference, tmp_path: Path) -> None:
     """A disk quota of 3 pages: writes beyond it evict older pages or are skipped; every
     answer is still the reference's and the folder never holds more than 3 pages."""
