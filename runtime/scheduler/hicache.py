@@ -365,6 +365,7 @@ class HiCache:
         if not reads:
             return False
         self.tree.inc_lock(deepest)
+        self.host.wait_saves()  # a row freed just now may still be the target of a save in flight
         started = []
         for node, rows, _ in reads:
             futures = [self.disk.submit_read(key, self._into(row)) for key, row in zip(node.copy_in(DISK), rows,
@@ -378,16 +379,16 @@ class HiCache:
         host = self.host
         return lambda data: host.write_row(row, data)
 
-    def prefetch_ready(self, rid: str) -> bool:
-        """True when ``rid`` has no prefetch, or its prefetch ended (all read, or timed
-        out); then the read nodes have host copies (failed ones were dropped) and the
-        prefetch's lock is gone. Reads still running at a timeout finish in the background."""
+    def prefetch_ready(self, rid: str, cancel: bool = False) -> bool:
+        """True when ``rid`` has no prefetch, or its prefetch ended (all read, timed out, or
+        ``cancel``); then the read nodes have host copies (failed ones were dropped) and the
+        prefetch's lock is gone. Reads still running at the end finish in the background."""
         pf = self.prefetches.get(rid)
         if pf is None:
             return True
         done = all(f.done() for _, _, futures in pf.reads for f in futures)
         waited = self.clock() - pf.started
-        if not done and waited < pf.timeout:
+        if not done and waited < pf.timeout and not cancel:
             return False
         del self.prefetches[rid]
         self.stats.prefetch_count += 1
@@ -403,9 +404,7 @@ class HiCache:
 
     def cancel_prefetch(self, rid: str) -> None:
         """The request left (finished or aborted) while prefetching."""
-        if rid in self.prefetches:
-            self.prefetches[rid].started = -float("inf")  # ends now
-            self.prefetch_ready(rid)
+        self.prefetch_ready(rid, cancel=True)
 
     def _finish_read(self, node: TreeNode, rows: list[int], futures: list[Any]) -> None:
         """A node's reads: all verified -> host copies; a failed one -> the node goes (a

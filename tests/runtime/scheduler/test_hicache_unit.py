@@ -1,0 +1,141 @@
+"""HiCache (scheduler/hicache.py) with a real tiered RadixTree and fake byte movers: the
+prefetch timeout, a failed disk read, the cost model's verdict and the selective write
+policy, each checked on the tree, the host rows and the counters."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from radixlm.radix import RadixTree
+from radixlm.runtime.memory.cost_model import SwapCostModel, TierCostModel
+from radixlm.runtime.scheduler.hicache import DISK, HOST, HiCache
+
+S = 2  # page size
+
+
+class FakeHost:
+    num_pages, page_bytes = 9, 4  # rows 1..8
+
+    def __init__(self) -> None:
+        self.saves, self.loads = [], []
+
+    def save(self, device, rows):
+        self.saves.append((list(device), list(rows)))
+
+    def load(self, rows, device):
+        self.loads.append((list(rows), list(device)))
+
+    def wait_saves(self):
+        pass
+
+    def fence(self):
+        pass
+
+    def row(self, r):
+        return memoryview(bytes(4))
+
+    def write_row(self, r, data):
+        pass
+
+
+class FakeDisk:
+    capacity_pages, writes_disabled = 16, False
+
+    def __init__(self) -> None:
+        self.reads: list[Future] = []
+        self.deleted: list = []
+
+    def submit_write(self, header, payload):
+        f = Future()
+        f.set_result(True)
+        return f
+
+    def submit_read(self, key, into):
+        f = Future()
+        self.reads.append(f)
+        return f
+
+    def delete(self, keys):
+        self.deleted.extend(keys)
+
+    def index(self):
+        return []
+
+    def drain(self):
+        pass
+
+
+def costs(flops: float = 1e9, host_bw: float = 1e9, disk_bw: float = 1e9) -> TierCostModel:
+    compute = SwapCostModel(kv_bytes_per_token=2, params=10**6, num_layers=2, q_dim=8,
+                            link_bytes_per_s=1e9, flops_per_s=flops)
+    return TierCostModel(compute, page_bytes=4, page_size=S, read_bytes_per_s={"host": host_bw, "disk": disk_bw})
+
+
+def make(policy: str = "write_through", model: TierCostModel | None = None, disk: bool = True):
+    now = [0.0]
+    tree = RadixTree(S, tiers=("host", "disk") if disk else ("host",))
+    hc = HiCache(tree, FakeHost(), FakeDisk() if disk else None, model or costs(), policy,
+                 write_threshold=2, prefetch_timeout_s=1.0, clock=lambda: now[0])
+    return tree, hc, now
+
+
+def disk_only(tree: RadixTree, tokens: list[int]) -> None:
+    tree.insert_copy(tokens, DISK, [bytes([i]) * 16 for i in range(len(tokens) // S)])
+
+
+def test_prefetch_times_out_then_lands_in_the_background() -> None:
+    tree, hc, now = make()
+    disk_only(tree, [1, 2, 3, 4])
+    match = tree.match_prefix([1, 2, 3, 4])
+    assert hc.prefetch("r", match.tail, 0)
+    assert len(hc.disk.reads) == 2 and hc.host_rows.num_free == 6
+    assert not hc.prefetch_ready("r")  # reads running, not timed out
+    now[0] = 2.0
+    assert hc.prefetch_ready("r") and hc.stats.prefetch_timeouts == 1
+    assert tree.protected_pages == 0 and match.tail[0].copy_in(HOST) is None
+    for f in hc.disk.reads:
+        f.set_result(True)
+    hc.poll()  # the late reads hand their rows to the tree
+    assert match.tail[0].copy_in(HOST) is not None
+    hc.check_invariants()
+    tree.check_invariants()
+
+
+def test_failed_read_drops_the_node() -> None:
+    tree, hc, _ = make()
+    disk_only(tree, [1, 2, 3, 4])
+    assert hc.prefetch("r", tree.match_prefix([1, 2, 3, 4]).tail, 0)
+    hc.disk.reads[0].set_result(False)
+    hc.disk.reads[1].set_result(True)
+    assert hc.prefetch_ready("r")
+    assert hc.stats.prefetch_failures == 1 and hc.stats.prefetch_hits == 1
+    assert tree.match_prefix([1, 2, 3, 4]).tail == ()  # a miss: recomputed
+    assert hc.host_rows.num_free == 8
+    hc.check_invariants()
+    tree.check_invariants()
+
+
+def test_cost_model_skips_a_load_slower_than_recompute() -> None:
+    """A host tier of 1 byte/s: loading 2 pages takes 8 s, recomputing them microseconds."""
+    tree, hc, _ = make(model=costs(host_bw=1.0), disk=False)
+    hc.on_insert(tree.insert([1, 2, 3, 4], [5, 6]).node)
+    hc.issue()
+    assert tree.evict(2) == [5, 6]  # write-through gave the node a host copy: it stays below
+    match = tree.match_prefix([1, 2, 3, 4])
+    node, pages, source = hc.load_tail(match.tail, 0, lambda n: list(range(10, 10 + n)))
+    assert node is None and pages == [] and hc.stats.skipped_loads == 2
+    fast = make(disk=False)[1].costs
+    assert fast.worth_loading("host", 0, 4) and not hc.costs.worth_loading("host", 0, 4)
+
+
+def test_selective_write_waits_for_hits() -> None:
+    tree, hc, _ = make("write_through_selective", disk=False)
+    result = tree.insert([1, 2], [5])
+    hc.on_insert(result.node)
+    assert hc.saves == []
+    for expected in ([], [([5], [1])]):  # the second match reaches the threshold of 2
+        match = tree.match_prefix([1, 2])
+        hc.on_match(match.node)
+        assert hc.saves == expected
+    hc.issue()
+    assert hc.host.saves == [([5], [1])]
