@@ -54,7 +54,7 @@ import heapq
 import importlib.util
 import itertools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,12 +62,19 @@ from typing import Any
 from tqdm import tqdm
 
 from radixlm.radix import EVICTION_POLICIES, RadixTree
+from radixlm.runtime.bench.cache_sim_tiers import (
+    WRITE_POLICIES,
+    format_tier_table,
+    plot_tiers,
+    replay_tiered,
+)
 from radixlm.runtime.bench.cache_traces import (
     MooncakeConfig,
     MultiTurnConfig,
     ScanMixConfig,
     SharedPrefixConfig,
     TraceRequest,
+    inserted_pages,
     mooncake,
     scan_mix,
     shared_prefix,
@@ -82,6 +89,7 @@ __all__ = [
     "replay",
     "belady",
     "capacity_sweep",
+    "tier_sweep",
     "format_table",
     "main",
 ]
@@ -104,11 +112,6 @@ class SimResult:
         return self.cached_tokens / max(self.prompt_tokens, 1)
 
 
-def _inserted_pages(req: TraceRequest, page_size: int) -> int:
-    """Whole pages of prompt + output minus the last output token (see the diagram)."""
-    return (len(req.prompt) + len(req.output) - 1) // page_size
-
-
 # ----------------------------------------------------------------------------- online
 def replay(
     trace: Sequence[TraceRequest], page_size: int, capacity_pages: int, policy: str
@@ -125,7 +128,7 @@ def replay(
         now = req.arrival_s
         match = tree.match_prefix(req.prompt[:-1])
         tree.inc_lock(match.node)
-        want = min(_inserted_pages(req, page_size), capacity_pages)
+        want = min(inserted_pages(req, page_size), capacity_pages)
         need = want - len(match.pages)
         short = need - (capacity_pages - tree.cached_pages)
         if short > 0:
@@ -166,7 +169,7 @@ class PageTrace:
         pt, ids = cls(), {}
         for j, req in enumerate(trace):
             seq, parent, path = req.prompt + req.output, -1, []
-            for k in range(_inserted_pages(req, page_size)):
+            for k in range(inserted_pages(req, page_size)):
                 key = (parent, seq[k * page_size : (k + 1) * page_size])
                 parent = ids.get(key, -1)
                 if parent < 0:
@@ -265,7 +268,9 @@ def belady(
 
     ``resident_pages`` (default: ``capacity_pages``, at most that): a request makes only
     the first that many pages of its path resident, as a two-tier cache whose device
-    holds fewer pages than both tiers together (``cache_sim_tiers``)."""
+    holds fewer pages than both tiers together (``cache_sim_tiers``). The exchange
+    argument is unchanged, and ``tests/runtime/bench/test_cache_sim_tiers.py`` checks
+    this case against exhaustive search too."""
     resident = capacity_pages if resident_pages is None else min(resident_pages, capacity_pages)
     cache = _MinCache(pt, capacity_pages, resident)
     cached = 0
@@ -293,6 +298,59 @@ def capacity_sweep(
             on_result(fraction, replay(trace, page_size, capacity, policy))
 
 
+def tier_sweep(
+    name: str,
+    trace: Sequence[TraceRequest],
+    pt: PageTrace,
+    page_size: int,
+    device_fractions: Sequence[float],
+    host_fractions: Sequence[float],
+    policies: Sequence[str],
+    write_policy: str,
+) -> Iterator[dict]:
+    """Two tiers (``cache_sim_tiers``): one JSON line per device fraction f1, host
+    fraction f2 and policy, C1 = round(f1 W) pages (at least 1) and C2 = round(f2 W) for
+    the working set W = ``pt.num_pages``: the replay's totals and hit rates, and Belady
+    at C1 and at C1 + C2 with resident pages cut to C1 (bounds on the device and the
+    total hit rate)."""
+    optimum: dict[tuple[int, int], float] = {}
+
+    def belady_rate(capacity: int, resident: int) -> float:
+        if (capacity, resident) not in optimum:
+            optimum[capacity, resident] = belady(pt, page_size, capacity, resident).hit_rate
+        return optimum[capacity, resident]
+
+    for f1, f2 in itertools.product(device_fractions, host_fractions):
+        c1, c2 = max(1, round(f1 * pt.num_pages)), round(f2 * pt.num_pages)
+        bounds = {
+            "belady_device_hit_rate": belady_rate(c1, c1),
+            "belady_total_hit_rate": belady_rate(c1 + c2, c1),
+        }
+        for policy in policies:
+            r = replay_tiered(trace, page_size, c1, c2, policy, write_policy)
+            yield {
+                "kind": "tier_result",
+                "trace": name,
+                "policy": policy,
+                "write_policy": write_policy,
+                "device_fraction": f1,
+                "host_fraction": f2,
+                "device_pages": c1,
+                "host_pages": c2,
+                "working_set_pages": pt.num_pages,
+                "prompt_tokens": r.prompt_tokens,
+                "device_hit_tokens": r.device_hit_tokens,
+                "host_hit_tokens": r.host_hit_tokens,
+                "device_hit_rate": r.device_hit_rate,
+                "host_hit_rate": r.host_hit_rate,
+                "hit_rate": r.hit_rate,
+                "evicted_pages": r.evicted_pages,
+                "copied_pages": r.copied_pages,
+                "released_pages": r.released_pages,
+                **bounds,
+            }
+
+
 # ----------------------------------------------------------------------------- report
 TRACES = ("multiturn", "shared-prefix", "scan-mix", "mooncake")
 CONFIGS = {
@@ -301,14 +359,18 @@ CONFIGS = {
     "scan-mix": ScanMixConfig,
     "mooncake": MooncakeConfig,
 }
-FLAG_PREFIX = {"multiturn": "mt", "shared-prefix": "gsp", "scan-mix": "scan", "mooncake": "mooncake"}
+FLAG_PREFIX = {
+    "multiturn": "mt",
+    "shared-prefix": "gsp",
+    "scan-mix": "scan",
+    "mooncake": "mooncake",
+}
 DEFAULT_TRACES = ("multiturn", "shared-prefix", "scan-mix")  # mooncake needs its file
 DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 # --tiers: device (C1) and host (C2) sizes as fractions of the working set
 DEFAULT_TIER_TRACES = ("mooncake", "multiturn")
 DEFAULT_DEVICE_FRACTIONS = (0.005, 0.01, 0.02, 0.04, 0.08)
 DEFAULT_HOST_FRACTIONS = (0.0, 0.1, 0.25, 0.5)
-WRITE_POLICIES = ("write_back", "write_through")  # as the server's --hicache-write-policy
 
 
 def build_trace(name: str, cfg: Any, seed: int, tokenizer_dir: str | None) -> list[TraceRequest]:
@@ -494,9 +556,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def load_trace(
-    trace: str, args: argparse.Namespace
-) -> tuple[list[TraceRequest], PageTrace, dict]:
+def load_trace(trace: str, args: argparse.Namespace) -> tuple[list[TraceRequest], PageTrace, dict]:
     """Build one trace; its page paths; its JSON line (with the infinite cache's hit rate,
     ``max_hit_rate``, and ``hit_unit``: what the hit rates count, tokens or blocks)."""
     cfg = _config_from_args(args, trace)
@@ -542,6 +602,47 @@ def trace_header(info: dict) -> str:
     )
 
 
+def _run_tiers(args: argparse.Namespace, out: Path) -> int:
+    """``--tiers``: sweep every trace, write ``cache_sim_tiers.{jsonl,png}`` under ``out``,
+    print one table per trace and policy."""
+    rows: list[dict] = []
+    runs = len(args.traces) * len(args.device_capacities) * len(args.host_capacities)
+    runs *= len(args.policies)
+    with tqdm(total=runs, unit="run", desc="cache-sim --tiers", disable=args.no_progress) as bar:
+        for trace in args.traces:
+            bar.set_postfix_str(f"building {trace}")
+            requests, pt, info = load_trace(trace, args)
+            rows.append(info)
+            sweep = tier_sweep(
+                trace,
+                requests,
+                pt,
+                info["page_size"],
+                args.device_capacities,
+                args.host_capacities,
+                args.policies,
+                args.write_policy,
+            )
+            for row in sweep:
+                rows.append(row)
+                bar.set_postfix_str(
+                    f"{trace} {row['device_fraction']:.1%} + {row['host_fraction']:.0%} "
+                    f"{row['policy']}"
+                )
+                bar.update(1)
+    with open(out / "cache_sim_tiers.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    traces = {r["trace"]: r for r in rows if r["kind"] == "trace"}
+    results = [r for r in rows if r["kind"] == "tier_result"]
+    plot_tiers(results, traces, out / "cache_sim_tiers.png")
+    for trace, info in traces.items():
+        print(f"\n{trace_header(info)}")
+        for policy in args.policies:
+            print(format_tier_table(trace, results, policy))
+    print(f"\nwrote {out / 'cache_sim_tiers.jsonl'} and {out / 'cache_sim_tiers.png'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:  # fail before the long part
@@ -555,9 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.tiers:
-        from radixlm.runtime.bench.cache_sim_tiers import run  # (it imports this module)
-
-        return run(args, out)
+        return _run_tiers(args, out)
     rows: list[dict] = []
     runs = len(args.traces) * len(args.capacities) * (len(args.policies) + 1)
     with tqdm(total=runs, unit="run", desc="cache-sim", disable=args.no_progress) as bar:

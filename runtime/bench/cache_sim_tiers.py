@@ -1,7 +1,7 @@
 """Two-tier prefix-cache replay: hit rate per tier of the hierarchical KV cache.
 
-``radixlm bench cache-sim --tiers`` replays request traces (``cache_traces``) against a
-tiered ``RadixTree(tiers=("host",))`` (radix/tree.py, "Tiers"; the server's controller is
+``radixlm bench cache-sim --tiers`` (``cache_sim.tier_sweep``) replays request traces
+(``cache_traces``) against a tiered ``RadixTree(tiers=("host",))`` (radix/tree.py, "Tiers"; the server's controller is
 runtime/scheduler/hicache.py) with a device tier of C1 pages and a host tier of C2 pages,
 without a model, and reports for every (C1, C2) the share of prompt tokens served from
 each tier, next to Belady's offline optimum and the infinite cache.
@@ -41,37 +41,25 @@ which contains the request's first pages and adds only pages of the request):
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from radixlm.radix import RadixTree
 from radixlm.radix.tree import TreeNode
-from radixlm.runtime.bench.cache_sim import (
-    WRITE_POLICIES,
-    PageTrace,
-    _inserted_pages,
-    belady,
-    load_trace,
-    trace_header,
-)
-from radixlm.runtime.bench.cache_traces import TraceRequest
+from radixlm.runtime.bench.cache_traces import TraceRequest, inserted_pages
 
 __all__ = [
+    "WRITE_POLICIES",
     "TierResult",
     "TieredCache",
     "replay_tiered",
-    "tier_rows",
     "format_tier_table",
     "plot_tiers",
-    "run",
 ]
 
+WRITE_POLICIES = ("write_back", "write_through")  # as the server's --hicache-write-policy
 HOST = 0  # the host tier's index among the tree's lower tiers
 
 
@@ -119,7 +107,9 @@ class TieredCache:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; choose from {WRITE_POLICIES}")
         if device_pages < 1 or host_pages < 0:
-            raise ValueError(f"need device_pages >= 1, host_pages >= 0: {device_pages}, {host_pages}")
+            raise ValueError(
+                f"need device_pages >= 1, host_pages >= 0: {device_pages}, {host_pages}"
+            )
         self.page_size, self.device_pages, self.host_pages = page_size, device_pages, host_pages
         self.policy, self.write_policy = policy, write_policy
         self.now = 0.0
@@ -139,7 +129,7 @@ class TieredCache:
         match = tree.match_prefix(req.prompt[:-1])
         end = match.tail[-1] if match.tail else match.node
         tree.inc_lock(end)
-        want = min(_inserted_pages(req, size), self.device_pages)
+        want = min(inserted_pages(req, size), self.device_pages)
         need = want - len(match.pages)
         short = need - (self.device_pages - tree.cached_pages)
         if short > 0:
@@ -217,58 +207,6 @@ def replay_tiered(
     return cache.result()
 
 
-# ----------------------------------------------------------------------------- sweep
-def tier_rows(
-    name: str,
-    trace: Sequence[TraceRequest],
-    pt: PageTrace,
-    page_size: int,
-    device_fractions: Sequence[float],
-    host_fractions: Sequence[float],
-    policies: Sequence[str],
-    write_policy: str,
-) -> Iterator[dict]:
-    """One JSON line per device fraction f1, host fraction f2 and policy: C1 = round(f1 W)
-    (at least 1), C2 = round(f2 W) for the working set W = ``pt.num_pages``; the replay's
-    totals and hit rates, Belady at C1 and at C1 + C2 (resident pages cut to C1)."""
-    optimum: dict[tuple[int, int], float] = {}
-
-    def belady_rate(capacity: int, resident: int) -> float:
-        if (capacity, resident) not in optimum:
-            optimum[capacity, resident] = belady(pt, page_size, capacity, resident).hit_rate
-        return optimum[capacity, resident]
-
-    for f1, f2 in itertools.product(device_fractions, host_fractions):
-        c1, c2 = max(1, round(f1 * pt.num_pages)), round(f2 * pt.num_pages)
-        bounds = {
-            "belady_device_hit_rate": belady_rate(c1, c1),
-            "belady_total_hit_rate": belady_rate(c1 + c2, c1),
-        }
-        for policy in policies:
-            r = replay_tiered(trace, page_size, c1, c2, policy, write_policy)
-            yield {
-                "kind": "tier_result",
-                "trace": name,
-                "policy": policy,
-                "write_policy": write_policy,
-                "device_fraction": f1,
-                "host_fraction": f2,
-                "device_pages": c1,
-                "host_pages": c2,
-                "working_set_pages": pt.num_pages,
-                "prompt_tokens": r.prompt_tokens,
-                "device_hit_tokens": r.device_hit_tokens,
-                "host_hit_tokens": r.host_hit_tokens,
-                "device_hit_rate": r.device_hit_rate,
-                "host_hit_rate": r.host_hit_rate,
-                "hit_rate": r.hit_rate,
-                "evicted_pages": r.evicted_pages,
-                "copied_pages": r.copied_pages,
-                "released_pages": r.released_pages,
-                **bounds,
-            }
-
-
 # ----------------------------------------------------------------------------- report
 def format_tier_table(trace: str, rows: list[dict], policy: str) -> str:
     """Markdown: per device and host size (fractions of the working set), the hit rate
@@ -306,18 +244,26 @@ def plot_tiers(rows: list[dict], traces: dict[str, dict], path: Path) -> None:
     for ax, (trace, policy) in zip(axes[0], panels, strict=True):
         mine = [r for r in rows if r["trace"] == trace and r["policy"] == policy]
         hosts = sorted({r["host_fraction"] for r in mine})
-        for color, host in zip(plt.cm.viridis([i / max(len(hosts), 1) for i in range(len(hosts))]),
-                               hosts, strict=True):
+        for color, host in zip(
+            plt.cm.viridis([i / max(len(hosts), 1) for i in range(len(hosts))]), hosts, strict=True
+        ):
             pts = sorted(
                 (100 * r["device_fraction"], 100 * r["hit_rate"], 100 * r["belady_total_hit_rate"])
                 for r in mine
                 if r["host_fraction"] == host
             )
             xs = [x for x, _, _ in pts]
-            ax.plot(xs, [y for _, y, _ in pts], color=color, marker="o", ms=3,
-                    label=f"host {100 * host:g}%")
+            ax.plot(
+                xs,
+                [y for _, y, _ in pts],
+                color=color,
+                marker="o",
+                ms=3,
+                label=f"host {100 * host:g}%",
+            )
             ax.plot(xs, [b for _, _, b in pts], color=color, linestyle="--", lw=1)
         ax.axhline(100 * traces[trace]["max_hit_rate"], color="black", linestyle=":")
+        ax.set_ylim(bottom=0)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
         ax.set(
@@ -335,39 +281,3 @@ def plot_tiers(rows: list[dict], traces: dict[str, dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
-
-
-# ----------------------------------------------------------------------------- CLI
-def run(args: argparse.Namespace, out: Path) -> int:
-    """``radixlm bench cache-sim --tiers``: sweep every trace, write
-    ``cache_sim_tiers.{jsonl,png}`` under ``out``, print one table per trace and policy."""
-    rows: list[dict] = []
-    runs = (
-        len(args.traces) * len(args.device_capacities) * len(args.host_capacities)
-        * len(args.policies)
-    )
-    with tqdm(total=runs, unit="run", desc="cache-sim --tiers", disable=args.no_progress) as bar:
-        for trace in args.traces:
-            bar.set_postfix_str(f"building {trace}")
-            requests, pt, info = load_trace(trace, args)
-            rows.append(info)
-            for row in tier_rows(
-                trace, requests, pt, info["page_size"], args.device_capacities,
-                args.host_capacities, args.policies, args.write_policy,
-            ):
-                rows.append(row)
-                bar.set_postfix_str(
-                    f"{trace} {row['device_fraction']:.1%} + {row['host_fraction']:.0%} {row['policy']}"
-                )
-                bar.update(1)
-    with open(out / "cache_sim_tiers.jsonl", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    traces = {r["trace"]: r for r in rows if r["kind"] == "trace"}
-    results = [r for r in rows if r["kind"] == "tier_result"]
-    plot_tiers(results, traces, out / "cache_sim_tiers.png")
-    for trace, info in traces.items():
-        print(f"\n{trace_header(info)}")
-        for policy in args.policies:
-            print(format_tier_table(trace, results, policy))
-    print(f"\nwrote {out / 'cache_sim_tiers.jsonl'} and {out / 'cache_sim_tiers.png'}")
-    return 0

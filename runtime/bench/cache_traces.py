@@ -38,6 +38,7 @@ from typing import Any
 
 __all__ = [
     "TraceRequest",
+    "inserted_pages",
     "MultiTurnConfig",
     "SharedPrefixConfig",
     "ScanMixConfig",
@@ -67,6 +68,12 @@ class TraceRequest:
     prompt: tuple[int, ...]
     output: tuple[int, ...]
     session: int  # conversation / group / hot document; -1: a one-off prompt, or not known
+
+
+def inserted_pages(req: TraceRequest, page_size: int) -> int:
+    """Whole pages the simulator caches for ``req``: prompt + output minus the last output
+    token, which is never run through the model (``cache_sim``'s diagram)."""
+    return (len(req.prompt) + len(req.output) - 1) // page_size
 
 
 # ----------------------------------------------------------------------------- multi-turn

@@ -1,0 +1,251 @@
+"""The two-tier cache replay (``cache_sim_tiers``): without a host tier it is the
+single-tier replay; device + host stays under Belady at device + host and under the
+infinite cache, and reaches the latter with a host as large as the working set; the
+host budget holds. The Mooncake trace loader; the ``--tiers`` CLI."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixlm.radix import EVICTION_POLICIES
+from radixlm.runtime.bench import cache_traces as ct
+from radixlm.runtime.bench.cache_sim import PageTrace, belady, replay
+from radixlm.runtime.bench.cache_sim_tiers import HOST, TieredCache, replay_tiered
+from radixlm.runtime.bench.cache_traces import TraceRequest
+
+WRITE_POLICIES = ("write_back", "write_through")
+MOONCAKE = (
+    Path(__file__).resolve().parents[3] / "../shared/data/traces/mooncake_conversation_trace.jsonl"
+)
+needs_mooncake = pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"no {MOONCAKE}")
+
+
+def chat_trace(seed: int, conversations: int = 40, vocab: int = 6) -> list[TraceRequest]:
+    """Interleaved conversations on one of three system prompts: turn t + 1's prompt is
+    turn t's prompt + output + a new user message; 1-5 turns, lengths of 1-12 tokens."""
+    rng = random.Random(seed)
+    ids = lambda n: tuple(rng.randrange(vocab) for _ in range(n))  # noqa: E731
+    systems = [ids(8) for _ in range(3)]
+    turns: list[tuple[float, tuple[int, ...], tuple[int, ...], int]] = []
+    for c in range(conversations):
+        now, history = rng.uniform(0, 100), rng.choice(systems)
+        for _ in range(rng.randint(1, 5)):
+            prompt, output = history + ids(rng.randint(1, 12)), ids(rng.randint(1, 12))
+            turns.append((now, prompt, output, c))
+            history, now = prompt + output, now + rng.expovariate(1 / 20)
+    return [TraceRequest(*t) for t in sorted(turns)]
+
+
+def max_pages(trace: list[TraceRequest], page_size: int) -> int:
+    return max((len(r.prompt) + len(r.output) - 1) // page_size for r in trace)
+
+
+# ----------------------------------------------------------------------------- (1)
+@pytest.mark.parametrize("policy", list(EVICTION_POLICIES))
+def test_without_a_host_tier_it_is_the_single_tier_replay(policy: str) -> None:
+    trace = chat_trace(seed=1)
+    for page_size, capacity in [(1, 20), (2, 15), (2, 60), (4, 10)]:
+        single = replay(trace, page_size, capacity, policy)
+        for write_policy in WRITE_POLICIES:
+            tiered = replay_tiered(trace, page_size, capacity, 0, policy, write_policy)
+            assert tiered.device_hit_tokens == single.cached_tokens, (page_size, capacity)
+            assert tiered.host_hit_tokens == 0 and tiered.copied_pages == 0
+            assert tiered.evicted_pages == single.evicted_pages
+
+
+# ----------------------------------------------------------------------------- (2)
+def random_traces(max_requests: int) -> st.SearchStrategy[list[TraceRequest]]:
+    """Prompts that share prefixes: one of three bases cut at a random length plus a
+    short random tail; outputs of 1-3 tokens; alphabet of 3 tokens (as test_cache_sim)."""
+    bases = st.lists(st.integers(0, 2), min_size=1, max_size=8)
+    request = st.tuples(
+        st.integers(0, 2),
+        st.integers(0, 8),
+        st.lists(st.integers(0, 2), max_size=3),
+        st.lists(st.integers(0, 2), min_size=1, max_size=3),
+    )
+
+    @st.composite
+    def build(draw: st.DrawFn) -> list[TraceRequest]:
+        base = [draw(bases) for _ in range(3)]
+        reqs = draw(st.lists(request, min_size=1, max_size=max_requests))
+        return [
+            TraceRequest(float(t), tuple(base[b][:cut] + tail + [0]), tuple(out), 0)
+            for t, (b, cut, tail, out) in enumerate(reqs)
+        ]
+
+    return build()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    trace=random_traces(12),
+    page_size=st.sampled_from([1, 2]),
+    write_policy=st.sampled_from(WRITE_POLICIES),
+    data=st.data(),
+)
+def test_tiers_stay_under_belady_and_the_infinite_cache(
+    trace, page_size, write_policy, data
+) -> None:
+    pt = PageTrace.build(trace, page_size)
+    c1 = data.draw(st.integers(1, max(1, pt.num_pages)))
+    c2 = data.draw(st.integers(0, pt.num_pages))
+    infinite = belady(pt, page_size, max(1, pt.num_pages)).cached_tokens
+    bound = belady(pt, page_size, c1 + c2, resident_pages=c1).cached_tokens
+    for policy in EVICTION_POLICIES:
+        r = replay_tiered(trace, page_size, c1, c2, policy, write_policy)
+        assert r.device_hit_tokens <= belady(pt, page_size, c1).cached_tokens, policy
+        assert r.device_hit_tokens + r.host_hit_tokens <= bound <= infinite, policy
+
+
+def exhaustive_optimum(pt: PageTrace, page_size: int, capacity: int, resident: int) -> int:
+    """Most cached tokens over every eviction choice: after request j its first
+    ``resident`` pages stay, and any subset of the rest of the cache that fits is kept."""
+
+    @functools.cache
+    def best(j: int, cache: frozenset[int]) -> int:
+        if j == len(pt.paths):
+            return 0
+        hit = len(list(itertools.takewhile(cache.__contains__, pt.paths[j][: pt.counted[j]])))
+        locked = frozenset(pt.paths[j][:resident])
+        rest = sorted(cache - locked)
+        room = capacity - len(locked)
+        keeps = (
+            frozenset(kept)
+            for size in range(min(room, len(rest)) + 1)
+            for kept in itertools.combinations(rest, size)
+        )
+        return hit * page_size + max(best(j + 1, locked | kept) for kept in keeps)
+
+    return best(0, frozenset())
+
+
+@settings(max_examples=80, deadline=None)
+@given(trace=random_traces(6), page_size=st.sampled_from([1, 2]), data=st.data())
+def test_belady_with_resident_pages_cut_is_the_exhaustive_optimum(trace, page_size, data) -> None:
+    # The bound above is an optimum only if MIN stays exact when each request makes
+    # fewer pages resident than the cache holds.
+    pt = PageTrace.build(trace, page_size)
+    capacity = data.draw(st.integers(1, max(1, min(pt.num_pages, 6))))
+    resident = data.draw(st.integers(1, capacity))
+    assert belady(pt, page_size, capacity, resident).cached_tokens == exhaustive_optimum(
+        pt, page_size, capacity, resident
+    )
+
+
+# ----------------------------------------------------------------------------- (3)
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+def test_a_host_as_large_as_the_working_set_is_the_infinite_cache(write_policy: str) -> None:
+    trace = chat_trace(seed=2)
+    for page_size in (1, 2):
+        pt = PageTrace.build(trace, page_size)
+        infinite = belady(pt, page_size, pt.num_pages)
+        smallest = max_pages(trace, page_size)  # no request is cut
+        for c1 in (smallest, 2 * smallest):
+            r = replay_tiered(trace, page_size, c1, pt.num_pages, "lru", write_policy)
+            assert r.host_hit_tokens > 0
+            assert r.device_hit_tokens + r.host_hit_tokens == infinite.cached_tokens
+            assert r.hit_rate == pytest.approx(infinite.hit_rate)
+
+
+# ----------------------------------------------------------------------------- (5)
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_host_never_holds_more_than_its_budget(policy: str, write_policy: str) -> None:
+    trace = chat_trace(seed=3, conversations=60)
+    released = 0
+    for page_size, c1, c2 in [(1, 40, 30), (2, 20, 9), (2, 25, 1), (4, 6, 12)]:
+        cache = TieredCache(page_size, c1, c2, policy, write_policy)
+        for req in trace:
+            cache.serve(req)
+            assert cache.tree.tier_pages(HOST) <= c2
+            assert cache.tree.cached_pages <= c1
+        cache.tree.check_invariants()
+        r = cache.result()
+        assert r.copied_pages - r.released_pages == cache.tree.tier_pages(HOST)
+        released += r.released_pages
+    assert released > 100  # the hosts were full (released: evicted there, or dropped)
+
+
+# ----------------------------------------------------------------------------- (4)
+@needs_mooncake
+def test_mooncake_loader_on_the_first_lines() -> None:
+    trace = ct.mooncake(MOONCAKE, max_requests=500)
+    records = [json.loads(line) for line in itertools.islice(MOONCAKE.open(), 500)]
+    assert len(trace) == 500
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+    assert [r.arrival_s for r in trace] == [r["timestamp"] / 1000 for r in records]  # in order
+    for req, rec in zip(trace, records, strict=True):
+        assert len(req.prompt) == math.ceil(rec["input_length"] / 512) == len(rec["hash_ids"])
+        assert req.prompt == tuple(rec["hash_ids"])
+        full_last = rec["input_length"] % 512 == 0
+        assert len(req.output) == full_last  # only whole blocks are inserted
+
+
+@needs_mooncake
+def test_mooncake_infinite_cache_hits_its_readme_block_rate() -> None:
+    pt = PageTrace.build(ct.mooncake(MOONCAKE), page_size=1)
+    assert len(pt.paths) == 12031
+    assert round(belady(pt, 1, pt.num_pages).hit_rate, 3) == 0.366  # README: 36.6% of blocks
+
+
+def test_mooncake_loader_sorts_and_keeps_only_whole_blocks(tmp_path: Path) -> None:
+    lines = [
+        {"timestamp": 2000, "input_length": 1024, "output_length": 5, "hash_ids": [0, 1]},
+        {"timestamp": 500, "input_length": 700, "output_length": 9, "hash_ids": [0, 2]},
+        {"timestamp": 2000, "input_length": 1500, "output_length": 1, "hash_ids": [0, 1, 3]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    trace = ct.mooncake(path)
+    assert [(r.arrival_s, r.prompt, r.output) for r in trace] == [
+        (0.5, (0, 2), ()),
+        (2.0, (0, 1), (0,)),  # a full last block: inserted
+        (2.0, (0, 1, 3), ()),  # ties keep file order
+    ]
+    # the second request hits block 0, the third blocks 0 and 1 (the full last block)
+    assert replay(trace, 1, 10, "lru").cached_tokens == 1 + 2
+    assert len(ct.mooncake(path, max_requests=2)) == 2
+    with pytest.raises(FileNotFoundError, match="--mooncake-path"):
+        ct.mooncake(tmp_path / "missing.jsonl")
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_tiers_writes_jsonl_plot_and_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from radixlm.runtime.cli import main
+
+    argv = [
+        "bench", "cache-sim", "--tiers", "--traces", "shared-prefix",
+        "--device-capacities", "0.25", "0.5", "--host-capacities", "0", "0.5", "1",
+        "--gsp-num-groups", "4", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "64",
+        "--gsp-question-len", "16", "--gsp-output-len", "16",
+        "--output-dir", str(tmp_path), "--no-progress",
+    ]  # fmt: skip
+    main(argv)
+    rows = [
+        json.loads(line) for line in (tmp_path / "cache_sim_tiers.jsonl").read_text().splitlines()
+    ]
+    (info,) = [r for r in rows if r["kind"] == "trace"]
+    results = [r for r in rows if r["kind"] == "tier_result"]
+    assert len(results) == 2 * 3 and {r["policy"] for r in results} == {"lru"}
+    for r in results:
+        assert r["hit_rate"] <= r["belady_total_hit_rate"] + 1e-12 <= info["max_hit_rate"] + 2e-12
+        if r["host_fraction"] == 1:  # (P - 1) S / (P (S + Q)) = 2 * 64 / (3 * 80)
+            assert r["hit_rate"] == pytest.approx(128 / 240)
+    assert (tmp_path / "cache_sim_tiers.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "| shared-prefix (lru, write_back): device | host | device hits |" in out
+    with pytest.raises(SystemExit, match="no Mooncake trace"):
+        main(["bench", "cache-sim", "--tiers", "--traces", "mooncake",
+              "--mooncake-path", str(tmp_path / "missing.jsonl")])  # fmt: skip
