@@ -499,7 +499,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         type=float,
         default=list(DEFAULT_FRACTIONS),
-        help="page budgets as fractions of each trace's working set",
+        help="page budgets as fractions of each trace's working set (without --tiers)",
     )
     p.add_argument(
         "--page-size",

@@ -65,7 +65,8 @@ HOST = 0  # the host tier's index among the tree's lower tiers
 
 @dataclass(frozen=True)
 class TierResult:
-    """Totals of one two-tier replay. Tokens are prompt tokens; pages are KV pages."""
+    """Totals of one two-tier replay. Tokens are prompt tokens (token ids: blocks for
+    the Mooncake trace); pages are KV pages."""
 
     policy: str
     write_policy: str
@@ -143,6 +144,7 @@ class TieredCache:
         tree.dec_lock(end)
         self.prompt_tokens += len(req.prompt)
         self.device_hit_tokens += match.num_tokens
+        # the tail tokens loaded back: those the key, cut to C1 pages, still holds
         self.host_hit_tokens += min(match.tail_tokens, len(pages) * size - match.num_tokens)
 
     def result(self) -> TierResult:
@@ -161,7 +163,7 @@ class TieredCache:
 
     def _copy_down(self, node: TreeNode) -> bool:
         """Give ``node`` a host copy, evicting host pages first if the host is full;
-        False when it cannot make room (the node's pages are more than the host frees)."""
+        False when there is no room for it (more pages than C2, or the rest is locked)."""
         tree, n = self.tree, node.npages
         if n > self.host_pages:
             return False
