@@ -123,7 +123,7 @@ def test_disk_tier_survives_a_restart(smollm2_dir: str, reference, tmp_path: Pat
 
 
 @pytest.mark.parametrize("damage", [
-    "corrupt", pytest.param("truncate", marks=pytest.mark.slow), pytest.param("foreign", marks=pytest.mark.slow)])
+    pytest.param(d, marks=pytest.mark.slow) for d in ("corrupt", "truncate", "foreign")])
 def test_damaged_page_files_are_misses(smollm2_dir: str, reference, tmp_path: Path, damage: str) -> None:
     """Every stored page damaged (a flipped payload byte, cut short, or another model's
     identity in the header): server B recomputes, answers identically, drops the files,
