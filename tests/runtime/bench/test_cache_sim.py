@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from radixlm.radix import EVICTION_POLICIES
 from radixlm.runtime.bench import cache_traces as ct
 from radixlm.runtime.bench.cache_sim import BELADY, PageTrace, belady, replay
+from radixlm.runtime.bench.cache_sim_tiers import replay_tiered
 from radixlm.runtime.bench.cache_traces import TraceRequest
 
 
@@ -142,16 +143,18 @@ def test_belady_is_at_least_every_policy(trace, page_size, data) -> None:
         assert best >= replay(trace, page_size, capacity, policy).cached_tokens, policy
 
 
-def exhaustive_optimum(pt: PageTrace, page_size: int, capacity: int) -> int:
-    """Most cached tokens over every eviction choice: after request j its (cut) pages
-    stay, and any subset of the rest of the cache that fits is kept."""
+def exhaustive_optimum(pt: PageTrace, page_size: int, capacity: int, resident: int | None = None) -> int:
+    """Most cached tokens over every eviction choice: after request j its first
+    ``resident`` pages (default: as many as fit, ``capacity``) stay, and any subset of the
+    rest of the cache that fits is kept."""
+    resident = capacity if resident is None else resident
 
     @functools.cache
     def best(j: int, cache: frozenset[int]) -> int:
         if j == len(pt.paths):
             return 0
         hit = len(list(itertools.takewhile(cache.__contains__, pt.paths[j][: pt.counted[j]])))
-        locked = frozenset(pt.paths[j][:capacity])
+        locked = frozenset(pt.paths[j][:resident])
         rest = sorted(cache - locked)
         room = capacity - len(locked)
         keeps = (
@@ -374,3 +377,42 @@ def test_cli_lists_the_bench_command(capsys: pytest.CaptureFixture) -> None:
         main(["bench"])
     assert exit_info.value.code == 2
     assert "cache-sim" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- two tiers
+TIER_WRITE_POLICIES = ("write_back", "write_through")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    trace=random_traces(12),
+    page_size=st.sampled_from([1, 2]),
+    write_policy=st.sampled_from(TIER_WRITE_POLICIES),
+    data=st.data(),
+)
+def test_tiers_stay_under_belady_and_the_infinite_cache(trace, page_size, write_policy, data) -> None:
+    """``cache_sim_tiers.replay_tiered``: the device hits stay under Belady at the device
+    size, device + host hits under Belady at device + host (resident pages cut to the
+    device), which stays under the infinite cache."""
+    pt = PageTrace.build(trace, page_size)
+    c1 = data.draw(st.integers(1, max(1, pt.num_pages)))
+    c2 = data.draw(st.integers(0, pt.num_pages))
+    infinite = belady(pt, page_size, max(1, pt.num_pages)).cached_tokens
+    bound = belady(pt, page_size, c1 + c2, resident_pages=c1).cached_tokens
+    for policy in EVICTION_POLICIES:
+        r = replay_tiered(trace, page_size, c1, c2, policy, write_policy)
+        assert r.device_hit_tokens <= belady(pt, page_size, c1).cached_tokens, policy
+        assert r.device_hit_tokens + r.host_hit_tokens <= bound <= infinite, policy
+
+
+@settings(max_examples=80, deadline=None)
+@given(trace=random_traces(6), page_size=st.sampled_from([1, 2]), data=st.data())
+def test_belady_with_resident_pages_cut_is_the_exhaustive_optimum(trace, page_size, data) -> None:
+    # The bound above is an optimum only if MIN stays exact when each request makes
+    # fewer pages resident than the cache holds.
+    pt = PageTrace.build(trace, page_size)
+    capacity = data.draw(st.integers(1, max(1, min(pt.num_pages, 6))))
+    resident = data.draw(st.integers(1, capacity))
+    assert belady(pt, page_size, capacity, resident).cached_tokens == exhaustive_optimum(
+        pt, page_size, capacity, resident
+    )

@@ -1,11 +1,10 @@
 """The two-tier cache replay (``cache_sim_tiers``): without a host tier it is the
-single-tier replay; device + host stays under Belady at device + host and under the
-infinite cache, and reaches the latter with a host as large as the working set; the
-host budget holds. The Mooncake trace loader; the ``--tiers`` CLI."""
+single-tier replay; it reaches the infinite cache with a host as large as the working set;
+the host budget holds. The Mooncake trace loader; the ``--tiers`` CLI. (On random traces:
+under Belady at device + host, in test_cache_sim.py beside its trace strategy.)"""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
@@ -13,8 +12,6 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from radixlm.radix import EVICTION_POLICIES
 from radixlm.runtime.bench import cache_traces as ct
@@ -60,86 +57,6 @@ def test_without_a_host_tier_it_is_the_single_tier_replay(policy: str) -> None:
             assert tiered.device_hit_tokens == single.cached_tokens, (page_size, capacity)
             assert tiered.host_hit_tokens == 0 and tiered.copied_pages == 0
             assert tiered.evicted_pages == single.evicted_pages
-
-
-# ----------------------------------------------------------------------------- (2)
-def random_traces(max_requests: int) -> st.SearchStrategy[list[TraceRequest]]:
-    """Prompts that share prefixes: one of three bases cut at a random length plus a
-    short random tail; outputs of 1-3 tokens; alphabet of 3 tokens (as test_cache_sim)."""
-    bases = st.lists(st.integers(0, 2), min_size=1, max_size=8)
-    request = st.tuples(
-        st.integers(0, 2),
-        st.integers(0, 8),
-        st.lists(st.integers(0, 2), max_size=3),
-        st.lists(st.integers(0, 2), min_size=1, max_size=3),
-    )
-
-    @st.composite
-    def build(draw: st.DrawFn) -> list[TraceRequest]:
-        base = [draw(bases) for _ in range(3)]
-        reqs = draw(st.lists(request, min_size=1, max_size=max_requests))
-        return [
-            TraceRequest(float(t), tuple(base[b][:cut] + tail + [0]), tuple(out), 0)
-            for t, (b, cut, tail, out) in enumerate(reqs)
-        ]
-
-    return build()
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    trace=random_traces(12),
-    page_size=st.sampled_from([1, 2]),
-    write_policy=st.sampled_from(WRITE_POLICIES),
-    data=st.data(),
-)
-def test_tiers_stay_under_belady_and_the_infinite_cache(
-    trace, page_size, write_policy, data
-) -> None:
-    pt = PageTrace.build(trace, page_size)
-    c1 = data.draw(st.integers(1, max(1, pt.num_pages)))
-    c2 = data.draw(st.integers(0, pt.num_pages))
-    infinite = belady(pt, page_size, max(1, pt.num_pages)).cached_tokens
-    bound = belady(pt, page_size, c1 + c2, resident_pages=c1).cached_tokens
-    for policy in EVICTION_POLICIES:
-        r = replay_tiered(trace, page_size, c1, c2, policy, write_policy)
-        assert r.device_hit_tokens <= belady(pt, page_size, c1).cached_tokens, policy
-        assert r.device_hit_tokens + r.host_hit_tokens <= bound <= infinite, policy
-
-
-def exhaustive_optimum(pt: PageTrace, page_size: int, capacity: int, resident: int) -> int:
-    """Most cached tokens over every eviction choice: after request j its first
-    ``resident`` pages stay, and any subset of the rest of the cache that fits is kept."""
-
-    @functools.cache
-    def best(j: int, cache: frozenset[int]) -> int:
-        if j == len(pt.paths):
-            return 0
-        hit = len(list(itertools.takewhile(cache.__contains__, pt.paths[j][: pt.counted[j]])))
-        locked = frozenset(pt.paths[j][:resident])
-        rest = sorted(cache - locked)
-        room = capacity - len(locked)
-        keeps = (
-            frozenset(kept)
-            for size in range(min(room, len(rest)) + 1)
-            for kept in itertools.combinations(rest, size)
-        )
-        return hit * page_size + max(best(j + 1, locked | kept) for kept in keeps)
-
-    return best(0, frozenset())
-
-
-@settings(max_examples=80, deadline=None)
-@given(trace=random_traces(6), page_size=st.sampled_from([1, 2]), data=st.data())
-def test_belady_with_resident_pages_cut_is_the_exhaustive_optimum(trace, page_size, data) -> None:
-    # The bound above is an optimum only if MIN stays exact when each request makes
-    # fewer pages resident than the cache holds.
-    pt = PageTrace.build(trace, page_size)
-    capacity = data.draw(st.integers(1, max(1, min(pt.num_pages, 6))))
-    resident = data.draw(st.integers(1, capacity))
-    assert belady(pt, page_size, capacity, resident).cached_tokens == exhaustive_optimum(
-        pt, page_size, capacity, resident
-    )
 
 
 # ----------------------------------------------------------------------------- (3)
