@@ -124,33 +124,23 @@ class HiCache:
         if self.disk is None:
             return 0
         headers = {h.key: h for h in self.disk.index()}
-        children: dict[bytes, list[PageHeader]] = {}
-        for h in headers.values():
-            children.setdefault(h.parent, []).append(h)
-        count, stack = 0, [(ROOT_KEY, (), ())]
-        while stack:  # depth first from the root; each leaf chain inserted once
-            key, tokens, keys = stack.pop()
-            below = children.get(key, [])
-            if not below and keys:
-                self.tree.insert_copy(tokens, DISK, list(keys))
-            for h in below:
-                stack.append((h.key, tokens + h.tokens, keys + (h.key,)))
-                count += 1
-        orphans = [k for k in headers if not self._reaches_root(k, headers)]
+        parents = {h.parent for h in headers.values()}
+        indexed: set[bytes] = set()
+        for leaf in [h for h in headers.values() if h.key not in parents]:  # every page is on a leaf's chain
+            chain, key = [], leaf.key
+            while key in headers and len(chain) <= len(headers):
+                chain.append(headers[key])
+                key = headers[key].parent
+            if key != ROOT_KEY:  # a page of the chain is missing
+                continue
+            chain.reverse()
+            self.tree.insert_copy([t for h in chain for t in h.tokens], DISK, [h.key for h in chain])
+            indexed.update(h.key for h in chain)
+        orphans = [k for k in headers if k not in indexed]
         if orphans:
             logger.warning("disk tier: %d pages whose prefix is missing removed", len(orphans))
             self.disk.delete(orphans)
-        return count
-
-    @staticmethod
-    def _reaches_root(key: bytes, headers: dict[bytes, PageHeader]) -> bool:
-        seen = 0
-        while key != ROOT_KEY:
-            h = headers.get(key)
-            if h is None or seen > len(headers):
-                return False
-            key, seen = h.parent, seen + 1
-        return True
+        return len(indexed)
 
     # ------------------------------------------------------------ matching
     def load_tail(self, tail: tuple[TreeNode, ...], start_tokens: int,

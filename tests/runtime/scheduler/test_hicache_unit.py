@@ -139,3 +139,28 @@ def test_selective_write_waits_for_hits() -> None:
         assert hc.saves == expected
     hc.issue()
     assert hc.host.saves == [([5], [1])]
+
+
+def test_index_disk_rebuilds_chains_and_drops_orphans() -> None:
+    """Two conversations sharing a first page, and a page whose parent is missing: the two
+    chains become disk-only nodes (3 pages), the orphan is deleted."""
+    from radixlm.runtime.memory.disk_store import ROOT_KEY, PageHeader, page_key
+
+    def chain(pages, parent=ROOT_KEY):
+        out = []
+        for tokens in pages:
+            key = page_key(parent, tokens)
+            out.append(PageHeader(key=key, parent=parent, tokens=tuple(tokens)))
+            parent = key
+        return out
+
+    a, b = chain([[1, 2], [3, 4]]), chain([[1, 2], [5, 6]])
+    orphan = chain([[9, 9]], parent=page_key(ROOT_KEY, [7, 7]))
+    tree, hc, _ = make()
+    hc.disk.index = lambda: a + b[1:] + orphan
+    assert hc.index_disk() == 3
+    assert hc.disk.deleted == [orphan[0].key]
+    for tokens in ([1, 2, 3, 4], [1, 2, 5, 6]):
+        match = tree.match_prefix(tokens)
+        assert match.tail_tokens == 4 and [k for n in match.tail for k in n.copy_in(DISK)][-1] in (a[1].key, b[1].key)
+    tree.check_invariants()
