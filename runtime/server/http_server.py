@@ -324,7 +324,7 @@ def _internal_state(stats: SchedulerStats | None) -> dict[str, Any]:
     return {"num_running_reqs": stats.num_running, "num_waiting_reqs": stats.num_waiting,
             "token_usage": stats.kv_used_pages / max(stats.kv_total_pages, 1),
             "cache_hit_rate": stats.prefill_tokens_cached / seen if seen else 0.0,
-            **msgspec.structs.asdict(stats)}
+            **msgspec.structs.asdict(stats), "hicache": msgspec.to_builtins(stats.hicache)}
 
 
 async def _native_stream(tm: TokenizerManager, generation: Generation, gens: list[GenInput],
