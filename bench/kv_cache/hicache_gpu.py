@@ -15,8 +15,9 @@ pool by its next turn (the working set is several times the pool). Throughput an
 p50 / p99 for the device pool only (L1), with a host tier holding the working set
 (L1+L3), and with a smaller host tier plus the disk tier (L1+L3+L4).
 
-    . bench/gpu_env.sh && python3 bench/kv_cache/hicache_gpu.py ttft --tokenizer-dir .gpu_tok --out $OUT
-    . bench/gpu_env.sh && python3 bench/kv_cache/hicache_gpu.py multiturn --tokenizer-dir .gpu_tok --out $OUT
+    . bench/gpu_env.sh && python3 bench/kv_cache/hicache_gpu.py all --tokenizer-dir .gpu_tok --out $OUT
+
+(``ttft`` or ``multiturn`` for one part; the results: ``hicache_<part>.json``.)
 
 Random bf16 weights of the Llama-3-8B shape (``e2e/gpu_e2e.py``), built once under
 ``--models-root``. On the CPU (``GPU_E2E_DEVICE=cpu``) use ``--shape tiny`` and small sizes.
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import threading
@@ -108,6 +110,7 @@ def run_ttft(model: Path, args: argparse.Namespace, out: dict, save) -> None:
             rows.append(dict(tokens=n, source="L4", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
             print(json.dumps(rows[-1]), flush=True)
         out["l4_stats"] = _stats(srv)
+    shutil.rmtree(store, ignore_errors=True)
 
 
 def _stats(srv: LocalServer) -> dict:
@@ -135,6 +138,8 @@ def run_multiturn(model: Path, args: argparse.Namespace, out: dict, save) -> Non
             out.setdefault("multiturn", []).append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "hicache"}), flush=True)
             save(out)
+        if "storage" in str(configs[name]):
+            shutil.rmtree(configs[name]["hicache_storage_dir"], ignore_errors=True)
 
 
 def _conversations(srv: LocalServer, args: argparse.Namespace) -> dict:
@@ -183,7 +188,7 @@ def _conversations(srv: LocalServer, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("ttft", "multiturn"))
+    ap.add_argument("what", choices=("ttft", "multiturn", "all"))
     ap.add_argument("--tokenizer-dir", type=Path, required=True)
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--models-root", type=Path, default=Path("/tmp/models"))
@@ -191,14 +196,16 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--context-length", type=int, default=34000)
     ap.add_argument("--device-tokens", type=int, default=36864, help="device KV pool (tokens)")
-    ap.add_argument("--host-gb", type=float, default=28.0, help="host tier holding the working set")
-    ap.add_argument("--small-host-gb", type=float, default=8.0, help="host tier of the L1+L3+L4 run")
+    ap.add_argument("--host-gb", type=float, default=16.0, help="host tier holding the working set")
+    ap.add_argument("--small-host-gb", type=float, default=4.0, help="host tier of the L1+L3+L4 run")
     ap.add_argument("--disk-gb", type=float, default=30.0)
     ap.add_argument("--storage-dir", default="/tmp/radixlm-kv")
-    ap.add_argument("--clients", type=int, default=24)
-    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--multiturn-device-tokens", type=int, default=16384,
+                    help="device KV pool (tokens) of the multi-turn runs")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--question", type=int, default=1536)
-    ap.add_argument("--answer", type=int, default=64)
+    ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=["L1", "L1+L3", "L1+L3+L4"])
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
@@ -210,7 +217,11 @@ def main() -> None:
         (args.out / f"hicache_{args.what}.json").write_text(json.dumps(result, indent=1))
 
     try:
-        (run_ttft if args.what == "ttft" else run_multiturn)(model, args, out, save)
+        if args.what in ("ttft", "all"):
+            run_ttft(model, args, out, save)
+        if args.what in ("multiturn", "all"):
+            args.device_tokens = args.multiturn_device_tokens
+            run_multiturn(model, args, out, save)
     finally:
         save(out)
 
