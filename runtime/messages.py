@@ -159,7 +159,7 @@ class HiCacheStats(msgspec.Struct, kw_only=True):
     prefetch_failures: int  # pages that failed verification: dropped, recomputed
     prefetch_seconds: float  # summed prefetch wait
     prefetch_count: int
-    skipped_loads: int  # lower-tier pages matched but recomputed (cheaper by the cost model)
+    skipped_loads: int  # lower-tier pages matched but recomputed (cheaper by the cost model, or not read in time)
     disk_writes_skipped: int  # pages not written to disk: quota or disk full
 
 

@@ -218,12 +218,6 @@ class HostKVPool:
             self.load_event.record(self.stream)
         current.wait_stream(self.stream)
 
-    def fence(self) -> None:
-        """Make the current stream wait for every copy issued so far (a device page whose
-        save is in flight may be rewritten by the next kernel). A no-op on CPU."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.pool.device).wait_stream(self.stream)
-
     def wait_saves(self) -> None:
         """Block until every save issued so far is in host memory (a no-op on CPU)."""
         if self.save_event is not None:

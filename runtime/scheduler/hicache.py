@@ -64,7 +64,7 @@ class HiCacheStats:
     prefetch_failures: int = 0  # pages that failed verification (dropped, recomputed)
     prefetch_seconds: float = 0.0  # summed start -> done (or timeout) of prefetches
     prefetch_count: int = 0
-    skipped_loads: int = 0  # lower-tier pages matched but recomputed (the cost model said so)
+    skipped_loads: int = 0  # lower-tier pages matched but recomputed (cost model, or a prefetch not in time)
     disk_writes_skipped: int = 0  # pages not written: the quota or the disk was full
 
 
@@ -111,11 +111,10 @@ class HiCache:
         self._late: list[tuple[TreeNode, list[int], list[Any]]] = []  # reads a timeout left running
         self._disk_rows: set[int] = set()  # host rows filled from the disk (hit accounting)
         self._keep_disk = False  # reset: the tree forgets disk pages, the files stay
-        self._evicted = False  # device pages evicted since the last issue
         self.info: dict[str, Any] = {}  # what /get_server_info shows (set by the scheduler)
         tree.on_release = self._release
         if write_policy == "write_back":
-            tree.on_demote = self._demote
+            tree.on_demote = self._save
 
     # ------------------------------------------------------------ start-up
     def index_disk(self) -> int:
@@ -153,11 +152,11 @@ class HiCache:
         pages a prefetch brought)."""
         loaded_node, pages, source = None, [], {"host": 0, "disk": 0}
         pos = start_tokens
-        for node in tail:
+        for i, node in enumerate(tail):
             rows = node.copy_in(HOST)
             tokens = node.npages * self.page_size
             if rows is None or not self.costs.worth_loading("host", pos, pos + tokens):
-                self.stats.skipped_loads += sum(n.npages for n in tail[tail.index(node):])
+                self.stats.skipped_loads += sum(n.npages for n in tail[i:])
                 break
             got = alloc(node.npages)
             if got is None:
@@ -207,9 +206,6 @@ class HiCache:
             self.disk_queue.append(node)
         return True
 
-    def _demote(self, node: TreeNode) -> bool:
-        return self._save(node)
-
     def _alloc_rows(self, n: int) -> list[int] | None:
         short = n - self.host_rows.num_free
         if short > 0:
@@ -236,23 +232,16 @@ class HiCache:
         return pages
 
     # ------------------------------------------------------------ I/O
-    def evicted(self) -> None:
-        """The device evicted pages this step: one may still be waiting for its save."""
-        self._evicted = True
-
     def issue(self) -> None:
         """Run the queued copies (saves first: a page may be saved then reused as a load
         target) and submit the queued disk writes. Called by the scheduler right before
-        each launch, after planning. After an eviction the next forward waits for every
-        save issued so far (``host.fence``): it may write a page whose save is pending."""
+        each launch, after planning. A saved device page may be evicted and rewritten at
+        once: ``host.save`` makes later kernels wait for its gather."""
         if self.saves:
             device = [p for pages, _ in self.saves for p in pages]
             rows = [r for _, rows in self.saves for r in rows]
             self.saves = []
             self.host.save(device, rows)
-        if self._evicted:
-            self._evicted = False
-            self.host.fence()
         if self.loads:
             rows = [r for rows, _ in self.loads for r in rows]
             device = [p for _, pages in self.loads for p in pages]

@@ -112,8 +112,6 @@ class PrefixCache:
             evicted = self.tree.evict(short)
             self.num_evicted_pages += len(evicted)
             self.allocator.free(evicted)
-            if evicted and self.hicache is not None:
-                self.hicache.evicted()
         return self.allocator.alloc(n)
 
     def grow(self, req: Req, num_tokens: int) -> bool:

@@ -92,7 +92,8 @@ class Metrics:
         self.prefetch_seconds = gauge("hicache_prefetch_seconds_total", "Summed prefetch wait (seconds): "
                                       "divide by hicache_prefetch_total for the mean load latency.")
         self.skipped_loads = gauge("hicache_skipped_load_pages_total", "Pages cached in a lower tier but "
-                                   "recomputed: the cost model found it faster.")
+                                   "recomputed: the cost model found recomputing faster, or a disk "
+                                   "prefetch had not arrived when the request was admitted.")
         self.disk_skipped = gauge("hicache_disk_write_skipped_pages_total",
                                   "Pages not written to the disk tier (quota or disk full).")
         self.sink_used = gauge("kv_sink_slots_used", "Exact attention-sink slots claimed by a first token; "

@@ -28,9 +28,6 @@ class FakeHost:
     def wait_saves(self):
         pass
 
-    def fence(self):
-        pass
-
     def row(self, r):
         return memoryview(bytes(4))
 
