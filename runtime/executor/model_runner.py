@@ -15,6 +15,7 @@ length P with ``logprob_start_len`` = s (logits at position p score token p + 1)
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -286,11 +287,11 @@ class ModelRunner:
         return h.hexdigest()
 
     def tier_costs(self, host_pool: Any, disk: Any) -> TierCostModel:
-        """The load-vs-recompute model of the hierarchical cache, with the tiers' read
-        bandwidths measured now (bytes/s): host -> device by loading up to 64 MiB of
-        pages from ``host_pool`` into the dummy-free pages 1..n and back (the pool is
-        empty at start-up), disk -> host by ``disk.measure_read_bandwidth``; the
-        recompute rate is ``swap_cost_model``'s."""
+        """The load-vs-recompute model of the hierarchical cache, measured now: the tiers'
+        read bandwidths in bytes/s (host -> device: loading up to 64 MiB of pages from
+        ``host_pool`` into pages 1..n, free at start-up; disk -> host:
+        ``disk.measure_read_bandwidth``) and the recompute rate in FLOP/s
+        (``prefill_flops_per_s``)."""
         pages = max(1, min(host_pool.num_pages - 1, self.num_pages - 1, (64 << 20) // host_pool.page_bytes))
         rows, device_pages = list(range(1, pages + 1)), list(range(1, pages + 1))
         rates = {}
@@ -302,7 +303,30 @@ class ModelRunner:
             rates["host"] = pages * host_pool.page_bytes / max(time.perf_counter() - start, 1e-9)
         if disk is not None:
             rates["disk"] = disk.measure_read_bandwidth(min(64 << 20, 16 * host_pool.page_bytes))
-        return TierCostModel(self.swap_cost_model(), host_pool.page_bytes, self.page_size, rates)
+        compute = self.swap_cost_model()
+        compute = dataclasses.replace(compute, flops_per_s=self.prefill_flops_per_s(compute))
+        return TierCostModel(compute, host_pool.page_bytes, self.page_size, rates)
+
+    @torch.inference_mode()
+    def prefill_flops_per_s(self, compute: SwapCostModel) -> float:
+        """FLOP/s of one prefill of 2048 tokens (CUDA; 128 on the CPU), by
+        ``compute.span_seconds``' FLOP count, timed on its second run (the first compiles),
+        in a float pool of its own (as KV calibration does)."""
+        cfg = self.config
+        n = min(2048 if self.device.type == "cuda" else 128, self.context_length - 1)
+        pages = -(-n // self.page_size)
+        pool = KVPool(pages + 1, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim,
+                      self.dtype, self.device)
+        ids = [(17 * i) % self.vocab_size for i in range(n)]
+        batch = ForwardBatch.build([ids], [0], [list(range(1, pages + 1))], [n - 1], self.page_size, self.device)
+        for _ in range(2):
+            self._sync()
+            start = time.perf_counter()
+            self.model.forward(batch, pool)
+            self._sync()
+            seconds = max(time.perf_counter() - start, 1e-9)
+        del pool
+        return compute.span_seconds(0, n) * compute.flops_per_s / seconds
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -627,11 +627,11 @@ def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCa
                       args.hicache_prefetch_timeout_s)
     indexed = hicache.index_disk()
     logger.info("hierarchical cache: host tier %d pages (%.2f GiB, %s), disk tier %s; page %d bytes; "
-                "read bandwidth %s; write policy %s", rows, rows * page_bytes / 2**30,
+                "read bandwidth %s; prefill %.1f TFLOP/s; write policy %s", rows, rows * page_bytes / 2**30,
                 "pinned" if host.cuda else "CPU memory",
                 f"{disk.capacity_pages} pages in {disk.root}, {indexed} indexed" if disk else "off",
                 page_bytes, {k: f"{v / 1e9:.2f} GB/s" for k, v in costs.read_bytes_per_s.items()},
-                args.hicache_write_policy)
+                costs.compute.flops_per_s / 1e12, args.hicache_write_policy)
     hicache.info = {
         "host_pages": rows, "disk_pages": disk.capacity_pages if disk else 0, "page_bytes": page_bytes,
         "disk_pages_indexed": indexed, "read_bytes_per_s": costs.read_bytes_per_s,
