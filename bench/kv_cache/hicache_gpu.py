@@ -17,7 +17,7 @@ p50 / p99 for the device pool only (L1), with a host tier holding the working se
 
     . bench/gpu_env.sh && python3 bench/kv_cache/hicache_gpu.py all --tokenizer-dir .gpu_tok --out $OUT
 
-(``ttft`` or ``multiturn`` for one part; the results: ``hicache_<part>.json``.)
+(``ttft`` or ``multiturn`` for one part; the results: ``hicache_<all|ttft|multiturn>.json``.)
 
 Random bf16 weights of the Llama-3-8B shape (``e2e/gpu_e2e.py``), built once under
 ``--models-root``. On the CPU (``GPU_E2E_DEVICE=cpu``) use ``--shape tiny`` and small sizes.
