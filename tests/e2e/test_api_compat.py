@@ -14,6 +14,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+import radixlm
 from radixlm.runtime.scheduler.scheduler import usable_cores
 
 MODEL = "default"
@@ -283,6 +284,23 @@ def test_server_info_mirrors_sglang_without_the_api_key(server_factory, idle_inv
     state = info["internal_states"][0]
     assert state["kv_total_pages"] == 4096 // 8 and 0 <= state["token_usage"] <= 1
     assert state["prefill_tokens_computed"] == 5 and state["decode_tokens"] == 1  # 5 prompt tokens, 2nd token
+
+
+def test_server_info_route_aliases_and_version(server, idle_invariants):
+    """/server_info (SGLang's newer name) serves /get_server_info's body; /version gives the
+    package version; the info names the server (how ``bench serving`` tells it from SGLang)."""
+    with server.client() as c:
+        old, new = c.get("/get_server_info"), c.get("/server_info")
+        version = c.get("/version")
+    assert old.status_code == new.status_code == version.status_code == 200
+    old_body, new_body = old.json(), new.json()
+    # the scheduler's last report may land between the two calls: compared by its keys only
+    old_state, new_state = old_body.pop("internal_states"), new_body.pop("internal_states")
+    assert new_body == old_body and len(old_body) > 20
+    assert [sorted(s) for s in new_state] == [sorted(s) for s in old_state]
+    assert version.json() == {"version": radixlm.__version__} and radixlm.__version__ == "0.1.0"
+    assert old.json()["version"] == radixlm.__version__ and old.json()["name"] == "radixlm"
+    idle_invariants(server)
 
 
 # ----------------------------------------------------------------------------- SGLang's frontend

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import radixlm
 from radixlm.runtime.cli import main
 
 
@@ -42,9 +43,12 @@ def test_bench_serving_native_openai_chat_and_multiturn(server, tmp_path: Path,
     assert (rec["total_input_tokens"], rec["total_output_tokens"]) == (6 * 32, 6 * 8)
     assert rec["ignore_eos"] and rec["request_rate"] is None
     assert (tmp_path / "plots" / "radixlm_random_rateinf.png").exists()
+    assert rec["server"] == {"name": "radixlm", "version": radixlm.__version__}
+    assert rec["cache_flushed"] is None and rec["base_url"] == server.url
+    assert rec["model_path"].endswith(".gguf")  # the info's model_path: the default model's file
 
     # /v1/completions, generated shared prefix: 2 groups x 4, Poisson arrivals, cap 3
-    rec = _run(server, tmp_path, "--backend", "radixlm-oai", "--dataset-name",
+    rec = _run(server, tmp_path, "--backend", "openai", "--dataset-name",
                "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group",
                "4", "--gsp-system-prompt-len", "64", "--gsp-question-len", "8",
                "--gsp-output-len", "4", "--request-rate", "20", "--max-concurrency", "3",
@@ -52,11 +56,12 @@ def test_bench_serving_native_openai_chat_and_multiturn(server, tmp_path: Path,
     _check_common(rec, 8)
     assert (rec["total_input_tokens"], rec["total_output_tokens"]) == (8 * 72, 8 * 4)
     assert rec["max_concurrency_reached"] <= 3 and rec["request_rate"] == 20
+    assert rec["cache_flushed"] is True  # POST /flush_cache
     best = 3 * 64 / (4 * 72)  # every prompt but the first of its group reuses the system prompt
     assert 0 < rec["prefix_cache_hit_rate"] <= best + 1e-9
 
     # /v1/chat/completions, ShareGPT prompts, fixed output length
-    rec = _run(server, tmp_path, "--backend", "radixlm-oai-chat", "--dataset-name", "sharegpt",
+    rec = _run(server, tmp_path, "--backend", "openai-chat", "--dataset-name", "sharegpt",
                "--num-prompts", "3", "--sharegpt-output-len", "8")
     _check_common(rec, 3)
     assert rec["total_output_tokens"] == 24 and rec["total_input_tokens"] > 3 * 4

@@ -7,7 +7,10 @@ import asyncio
 import contextlib
 import json
 import math
+import socket
 import statistics
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -251,7 +254,7 @@ class FakeClient:
 
 def test_multiturn_turns_carry_history_and_generated_replies() -> None:
     convs = [Conversation(("A1", "A2", "A3"), (5, 6, 7)), Conversation(("B1", "B2"), (8, 9))]
-    client = FakeClient("radixlm-oai-chat")
+    client = FakeClient("openai-chat")
     with tqdm(disable=True) as bar:
         outs = asyncio.run(bs._run_conversations(client, convs, math.inf, 0.0, 0, None, bar))
     assert len(outs) == 5
@@ -425,3 +428,228 @@ def test_sample_kv_keeps_waste_only_while_pages_are_in_use() -> None:
     assert stats.running_samples == [3.0, 2.0]
     summary = stats.summary(None)
     assert summary["kv_waste_mean"] == pytest.approx(0.03) and summary["kv_waste_max"] == 0.04
+
+
+# ----------------------------------------------------------------------------- any OpenAI server
+class FakeOpenAIServer:
+    """An OpenAI-compatible server in a thread (uvicorn on a free port), vLLM-like: /v1/models
+    (one model whose ``root`` is ``state["root"]``), streamed /v1/completions and
+    /v1/chat/completions with usage, /version, vLLM v1 counters at /metrics (two engines).
+    Each completion adds its prompt tokens to the prefix-cache queries and 3/4 of them to
+    the hits (counters start at 1000 / 100, so a rate over the server's life is not 0.75);
+    a chat prompt counts 7 tokens. ``state`` switches routes on and off (404 when off)."""
+
+    def __init__(self, root: str) -> None:
+        import uvicorn
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+        self.state = {"root": root, "version": "0.26.0", "metrics": True, "get_server_info": None,
+                      "server_info": None, "reset_prefix_cache": False}
+        self.counters = {"queries": 1000.0, "hits": 100.0}
+        self.running, self.bodies, self.posts = 0, [], []
+        app, state = FastAPI(), self.state
+        missing = JSONResponse({"detail": "Not Found"}, status_code=404)
+
+        async def stream(chat: bool, prompt_tokens: int, n: int):
+            self.running += 1
+            try:
+                for i in range(n):
+                    await asyncio.sleep(0.01)  # the run outlasts the first /metrics sample
+                    choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
+                    yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                         "total_tokens": prompt_tokens + n}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                self.running -= 1
+
+        def complete(body: dict, chat: bool):
+            self.bodies.append(body)
+            prompt = body.get("prompt")
+            tokens = 7 if chat else len(prompt) if isinstance(prompt, list) else len(prompt.split())
+            self.counters["queries"] += tokens
+            self.counters["hits"] += tokens * 3 // 4 if isinstance(prompt, list) else 0
+            return StreamingResponse(stream(chat, tokens, body["max_tokens"]), media_type="text/event-stream")
+
+        @app.post("/v1/completions")
+        async def completions(body: dict):
+            return complete(body, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: dict):
+            return complete(body, chat=True)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake-model", "object": "model", "root": state["root"]}]}
+
+        @app.get("/version")
+        async def version():
+            return {"version": state["version"]} if state["version"] else missing
+
+        @app.get("/get_server_info")
+        async def get_server_info():
+            return state["get_server_info"] if state["get_server_info"] is not None else missing
+
+        @app.get("/server_info")
+        async def server_info():
+            return state["server_info"] if state["server_info"] is not None else missing
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            self.posts.append("/reset_prefix_cache")
+            return PlainTextResponse("") if state["reset_prefix_cache"] else missing
+
+        @app.get("/metrics")
+        async def metrics():
+            if not state["metrics"]:
+                return missing
+            c, labels = self.counters, 'engine="{}",model_name="fake-model"'
+            lines = ["# TYPE vllm:prefix_cache_queries counter", "# TYPE vllm:prefix_cache_hits counter",
+                     "# TYPE vllm:kv_cache_usage_perc gauge", "# TYPE vllm:num_requests_running gauge"]
+            for engine, share, kv in ((0, 0.25, 0.2), (1, 0.75, 0.6)):  # two engines (data parallel)
+                lab = labels.format(engine)
+                lines += [f"vllm:prefix_cache_queries_total{{{lab}}} {c['queries'] * share}",
+                          f"vllm:prefix_cache_hits_total{{{lab}}} {c['hits'] * share}",
+                          f"vllm:kv_cache_usage_perc{{{lab}}} {kv}",
+                          f"vllm:num_requests_running{{{lab}}} {self.running if engine == 0 else 0}"]
+            return PlainTextResponse("\n".join(lines) + "\n")
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the fake server did not start"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def fake_openai_server(smollm2_dir):
+    srv = FakeOpenAIServer(smollm2_dir)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def fake_server(fake_openai_server):
+    """The module's fake server, its routes back to vLLM's defaults after the test."""
+    saved = dict(fake_openai_server.state)
+    fake_openai_server.bodies.clear()
+    fake_openai_server.posts.clear()
+    yield fake_openai_server
+    fake_openai_server.state.update(saved)
+
+
+def _bench(srv: FakeOpenAIServer, out: Path, *flags: str) -> list[dict]:
+    assert bs.main(["--base-url", srv.url, "--disable-tqdm", "--output-file", str(out), "--dataset-name", "random",
+                    "--random-range-ratio", "1.0", *flags]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_openai_backend_against_a_vllm_like_server(fake_server, smollm2_dir, tmp_path: Path) -> None:
+    """No /get_server_info, /server_info nor /generate: a plain OpenAI server, named vLLM by
+    its /version; the model and tokenizer come from /v1/models; the hit rate from vLLM's
+    prefix-cache counters (their change over the run, summed over engines)."""
+    [rec] = _bench(fake_server, tmp_path / "runs.jsonl", "--backend", "openai", "--num-prompts", "6",
+                   "--random-input-len", "32", "--random-output-len", "5")
+    assert (rec["completed"], rec["failed"]) == (6, 0)
+    assert (rec["total_input_tokens"], rec["total_output_tokens"]) == (6 * 32, 6 * 5)
+    assert rec["server"] == {"name": "vllm", "version": "0.26.0"}
+    assert rec["base_url"] == fake_server.url and rec["model_path"] == smollm2_dir
+    assert rec["prefix_cache_hit_rate"] == pytest.approx(0.75)  # 24 of 32 per prompt
+    assert rec["kv_usage_mean"] == pytest.approx(0.4) and rec["kv_usage_max"] == pytest.approx(0.4)  # mean of engines
+    assert rec["running_reqs_max"] is not None and 0 <= rec["running_reqs_max"] <= 6
+    assert rec["kv_waste_mean"] is None and rec["kv_waste_max"] is None  # vLLM has no such metric
+    assert rec["cache_flushed"] is None and rec["mean_ttft_ms"] > 0 and rec["mean_itl_ms"] > 0
+    warm, *runs = fake_server.bodies
+    assert warm["prompt"] == "Hello" and warm["max_tokens"] == 4
+    assert {b["model"] for b in fake_server.bodies} == {"fake-model"}
+    assert all(b["ignore_eos"] is True and b["stream"] is True and b["stream_options"] == {"include_usage": True}
+               and len(b["prompt"]) == 32 for b in runs)
+
+
+def test_openai_chat_without_metrics_and_flush_cache_unsupported(fake_server, tmp_path: Path, capsys) -> None:
+    """Chat: the counts are the server's usage (7 prompt tokens each); no /metrics: every server
+    number null; --flush-cache with both routes 404: one warning for two runs, false in both."""
+    fake_server.state["metrics"] = False
+    recs = _bench(fake_server, tmp_path / "runs.jsonl", "--backend", "openai-chat", "--num-prompts", "3",
+                  "--random-input-len", "8", "--random-output-len", "4", "--request-rate", "1000", "inf",
+                  "--flush-cache")
+    assert [r["request_rate"] for r in recs] == [1000, None]
+    for rec in recs:
+        assert (rec["completed"], rec["total_input_tokens"], rec["total_output_tokens"]) == (3, 21, 12)
+        assert rec["cache_flushed"] is False and rec["server"] == {"name": "vllm", "version": "0.26.0"}
+        for key in ("prefix_cache_hit_rate", "kv_usage_mean", "kv_usage_max", "kv_waste_mean",
+                    "kv_waste_max", "running_reqs_mean", "running_reqs_max"):
+            assert rec[key] is None, key
+    assert fake_server.posts == ["/reset_prefix_cache"] * 2  # tried after /flush_cache's 404, each run
+    out = capsys.readouterr().out
+    assert out.count("warning: --flush-cache") == 1
+    assert "POST /flush_cache: HTTP 404, POST /reset_prefix_cache: HTTP 404" in out
+    assert all(b["messages"][0]["role"] == "user" for b in fake_server.bodies)
+    # vLLM's dev-mode route works: flushed
+    fake_server.state["reset_prefix_cache"] = True
+    [*_, rec] = _bench(fake_server, tmp_path / "runs.jsonl", "--backend", "openai", "--num-prompts", "1",
+                       "--random-input-len", "4", "--random-output-len", "2", "--flush-cache")
+    assert rec["cache_flushed"] is True and "warning" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("routes, expected", [
+    ({"get_server_info": {"name": "radixlm", "version": "0.1.0", "tokenizer_path": "T",
+                          "served_model_name": "m", "model_path": "M"}}, ("radixlm", "0.1.0", "m", "T", "M")),
+    ({"server_info": {"version": "0.5.4", "internal_states": [{}], "tp_size": 1, "tokenizer_path": "T",
+                      "served_model_name": "s", "model_path": "M"}}, ("sglang", "0.5.4", "s", "T", "M")),
+    ({"server_info": {"vllm_config": "model=/m ..."}}, ("vllm", "0.26.0", "fake-model", "ROOT", "ROOT")),
+    ({"version": None}, ("unknown", None, "fake-model", "ROOT", "ROOT")),
+])
+def test_discover_server_names_the_server(fake_server, smollm2_dir, routes, expected) -> None:
+    fake_server.state.update(routes)
+    srv = bs.discover_server(fake_server.url)
+    want = tuple(smollm2_dir if v == "ROOT" else v for v in expected)
+    assert (srv.name, srv.version, srv.model, srv.tokenizer, srv.model_path) == want
+    flagged = bs.discover_server(fake_server.url, model="x", tokenizer="tok-dir")
+    assert (flagged.model, flagged.tokenizer) == ("x", "tok-dir")
+
+
+def test_discover_server_exits_clearly(fake_server, smollm2_dir) -> None:
+    fake_server.state["root"] = "org/model-on-the-hub"  # not a local directory: no tokenizer
+    with pytest.raises(SystemExit, match=r"cannot tell the tokenizer of the vllm server .*'org/model-on-the-hub'"
+                                         r".*pass --tokenizer"):
+        bs.discover_server(fake_server.url)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit, match=f"cannot reach the server at http://127.0.0.1:{port}"):
+        bs.discover_server(f"http://127.0.0.1:{port}")
+    # the native backend needs /generate: its warm-up fails with the HTTP error and a hint
+    with pytest.raises(SystemExit, match=r"warm-up request failed: RuntimeError: HTTP 404.*--backend openai"):
+        bs.main(["--base-url", fake_server.url, "--backend", "radixlm", "--tokenizer", smollm2_dir,
+                 "--dataset-name", "random", "--num-prompts", "1", "--random-input-len", "4",
+                 "--random-output-len", "2", "--disable-tqdm"])
+
+
+def test_server_stats_read_vllm_names_and_average_per_engine_fractions() -> None:
+    text = ('vllm:prefix_cache_queries_total{engine="0"} 100.0\nvllm:prefix_cache_queries_total{engine="1"} 300.0\n'
+            'vllm:prefix_cache_hits_total{engine="0"} 10.0\nvllm:prefix_cache_hits_total{engine="1"} 30.0\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.1\nvllm:kv_cache_usage_perc{engine="1"} 0.3\n')
+    before = bs.parse_prometheus(text, bs._FRACTIONS)
+    assert before["vllm:prefix_cache_queries_total"] == 400.0 and before["vllm:kv_cache_usage_perc"] == pytest.approx(0.2)
+    stats = bs.ServerStats(client=None, base_url="http://x")
+    stats.before = before
+    after = {**before, "vllm:prefix_cache_queries_total": 600.0, "vllm:prefix_cache_hits_total": 90.0}
+    summary = stats.summary(after)
+    assert stats.names is bs.METRIC_NAMES["vllm"]
+    assert summary["prefix_cache_hit_rate"] == pytest.approx(0.25)  # 50 hits of 200 queries
+    other = bs.ServerStats(client=None, base_url="http://x")  # names of neither server: nulls
+    other.before = {"sglang:prompt_tokens_total": 1.0}
+    assert other.summary({"sglang:prompt_tokens_total": 5.0})["prefix_cache_hit_rate"] is None and other.names == {}
