@@ -204,6 +204,8 @@ class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):
     cuda_graph_max_bs: int | None = None  # largest decode-graph batch; None: no decode graphs
     admit_batch_size: int = 1
     idle_spin_ms: float = 0.0
+    disable_overlap_schedule: bool = False
+    weight_dtype: str = "model"  # the decoder linears' kind (--weight-dtype resolved), "model": --dtype
     hicache: dict[str, Any] | None = None  # tier sizes and measured bandwidths (hierarchical cache)
 
 

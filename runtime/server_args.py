@@ -52,6 +52,7 @@ def _opt(default: Any, help: str, choices: tuple | None = None, env: str | None 
 
 
 MiB = 2**20
+WEIGHT_DTYPES = ("auto", "model", "bfloat16", "int8", "int4")  # --weight-dtype (executor/weight_quant.py)
 # A help text that gives its flag's default itself ("(default: ...)", "(default 2)", "Default:
 # ..."); other help texts get "(default: <value>)" appended.
 _STATES_DEFAULT = re.compile(r"\(default\b|\bDefault:")
@@ -258,8 +259,16 @@ class ServerArgs:
     attention_backend: str = _opt(
         "auto", "Attention backend ('auto': triton on CUDA, torch otherwise).", ("auto", "torch", "triton")
     )
-    disable_overlap_schedule: bool = _opt(
-        False, "Read each step's sampled tokens before planning the next one (no CPU/GPU overlap)."
+    weight_dtype: str = _opt(
+        "auto", "How the linear layers' weights are held (CPU): 'model' = in --dtype; 'bfloat16'; "
+        "'int8' (per-row scales); 'int4' (groups of 32 with scale and zero point, llama.cpp's Q4_1). "
+        "The quantised kinds multiply with PyTorch's weight-packed CPU kernels in bfloat16. 'auto': "
+        "on the CPU the kinds a GGUF file stores its weights in (the default SmolLM2 Q4_1 file: "
+        "int4 linears, int8 LM head), else 'model'; on CUDA 'model'.", WEIGHT_DTYPES)
+    disable_overlap_schedule: bool | None = _opt(
+        None, "Read each step's sampled tokens before planning the next one (no host/device overlap). "
+        "Default: overlap on a GPU; none on the CPU, where the forward pass runs on the host and "
+        "overlapping would only delay every token by a step."
     )
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
     cuda_graph_max_bs: int | None = _opt(
@@ -317,7 +326,7 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             kind = hints[f.name]
             help_text = f.metadata.get("help", "")
-            if kind is bool:
+            if kind is bool or kind == bool | None:  # None: the program picks (the help says how)
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
             base = _base_type(kind)

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs 2 workers on 2 cores
-    torch.set_num_threads(1)  # in-process forwards: 2 threads each would oversubscribe the cores
+    # in-process forwards and the servers tests start (model_loader.cpu_threads): 2 threads
+    # each would oversubscribe the cores
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Iterable
 from functools import partial
@@ -39,6 +38,7 @@ from radixlm.runtime.executor.kv_calibration import (
     load_kv_scales,
 )
 from radixlm.runtime.executor.model_loader import (
+    cpu_threads,
     load_model,
     resolve_device,
     resolve_dtype,
@@ -52,6 +52,7 @@ from radixlm.runtime.executor.sampling import (
     has_penalties,
     sample,
 )
+from radixlm.runtime.executor.weight_quant import quantize_linears, resolve_weight_dtype
 from radixlm.runtime.memory.cost_model import DEVICE_RATES, SwapCostModel, TierCostModel
 from radixlm.runtime.memory.kv_formats import TIERED_KV
 from radixlm.runtime.memory.kv_pool import KVPool, kv_page_bytes, tiered_fp8_pages
@@ -77,11 +78,17 @@ class ModelRunner:
 
         self.args = args
         self.device = resolve_device(args.device)
-        if self.device.type == "cpu":  # leave a core to the HTTP process: oversubscribed
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # threads spin 10x slower
+        if self.device.type == "cpu":  # the forward pass runs here: every core the process may use
+            torch.set_num_threads(cpu_threads())
         self.model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.model = load_model(self.model_dir, self.dtype, self.device, args.attention_backend)
+        self.num_params = sum(p.numel() for p in self.model.parameters())  # before packing any weights
+        self.weight_dtype = resolve_weight_dtype(args.weight_dtype, args.model_path, self.device)
+        if self.weight_dtype[0] != "model":
+            summary = quantize_linears(self.model, *self.weight_dtype)
+            logger.info("weights: linears %s, LM head %s: %.0f MB -> %.0f MB", *self.weight_dtype,
+                        summary["bytes_before"] / 1e6, summary["bytes_after"] / 1e6)
         self.config = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.config, self.tokenizer)
@@ -259,7 +266,7 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return SwapCostModel(
             kv_bytes_per_token=self.pool.bytes_per_token,
-            params=sum(p.numel() for p in self.model.parameters()),
+            params=self.num_params,
             num_layers=cfg.num_hidden_layers,
             q_dim=cfg.num_attention_heads * head_dim,
             link_bytes_per_s=link,

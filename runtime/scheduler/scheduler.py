@@ -27,6 +27,7 @@ import zmq
 from radixlm.radix import RadixTree
 from radixlm.runtime import messages as m
 from radixlm.runtime.executor.kv_calibration import KVScalesError
+from radixlm.runtime.executor.model_loader import usable_cores
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.executor.sampling import has_penalties
 from radixlm.runtime.ipc import MsgSocket
@@ -86,7 +87,11 @@ class Scheduler:
             # time. The runner's buffers bound the window (the same args in a server).
             decode_window=1 if tiered else min(args.num_scheduler_steps, getattr(runner, "max_decode_window", 1)),
         )
-        self.overlap = not args.disable_overlap_schedule
+        # Overlap hides the host's work behind the device's; on the CPU the forward pass runs
+        # on the host, so overlapping only delays every token by a step (a whole decode step
+        # added to each TTFT).
+        self.overlap = (runner.device.type != "cpu" if args.disable_overlap_schedule is None
+                        else not args.disable_overlap_schedule)
         self.inflight: PendingStep | None = None  # launched, results not read yet
         self._out_of_memory: list[Req] = []  # planned out of pages, finished after the step in flight
         self.stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids, runner.context_length)
@@ -685,6 +690,8 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
         freeze_startup_objects()
         ready = runner.ready_message()
         ready.admit_batch_size, ready.idle_spin_ms = scheduler.planner.admit_batch, idle_spin_s * 1e3
+        ready.disable_overlap_schedule = not scheduler.overlap
+        ready.weight_dtype = "/".join(dict.fromkeys(runner.weight_dtype))  # linears[/LM head]
         ready.hicache = scheduler.hicache.info if scheduler.hicache is not None else None
         send.send(ready)
         try:
@@ -696,20 +703,6 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
     finally:
         recv.close()
         send.close()
-
-
-def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
-    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (the
-    ``cpu.max`` file, "quota period" or "max period"; a container's ``--cpus``), rounded up."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        with open(cpu_max) as f:
-            quota, period = f.read().split()
-        if quota != "max":
-            cores = min(cores, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return cores
 
 
 def idle_spin_s(args: ServerArgs, cores: int | None = None) -> float:

@@ -302,7 +302,8 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
         """SGLang's server info: every setting except the API key, overridden by the
         values resolved at start-up (``device``, ``dtype``, ``context_length``,
         ``max_total_tokens``, ``cuda_graph_max_bs`` (null: no decode graphs),
-        ``admit_batch_size``, ``idle_spin_ms``, and for the KV cache dtypes that use them
+        ``admit_batch_size``, ``idle_spin_ms``, ``disable_overlap_schedule``, ``weight_dtype`` (the decoder linears' kind, then the LM
+        head's when it differs: "int4/int8"), and for the KV cache dtypes that use them
         ``kv_mixed_window_pages`` / ``kv_sink_slots``), ``hicache`` (with a hierarchical cache: tier
         sizes in pages, page bytes, the tiers' measured read bandwidths in bytes/s), the model info, ``max_total_num_tokens`` /
         ``max_req_input_len`` (SGLang's names), ``internal_states`` (the scheduler's last
@@ -311,7 +312,8 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
         serving`` tell this server from SGLang, whose info has the same keys)."""
         r = tm.ready
         resolved = {"cuda_graph_max_bs": r.cuda_graph_max_bs, "admit_batch_size": r.admit_batch_size,
-                    "idle_spin_ms": r.idle_spin_ms}
+                    "idle_spin_ms": r.idle_spin_ms, "disable_overlap_schedule": r.disable_overlap_schedule,
+                    "weight_dtype": r.weight_dtype}
         if args.kv_cache_dtype == "mixed":
             resolved["kv_mixed_window_pages"] = args.mixed_window_pages
         if args.kv_cache_dtype == "fp8_e4m3":

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import radixlm
-from radixlm.runtime.scheduler.scheduler import usable_cores
+from radixlm.runtime.executor.model_loader import usable_cores
 
 MODEL = "default"
 PROMPT = "The capital of France is"

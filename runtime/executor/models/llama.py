@@ -337,7 +337,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, E] -> logits [N, V] float32, written into ``out`` [N, V] float32 if
         given (the decode CUDA graphs' shared buffer) and returned."""
-        logits = F.linear(hidden, self.lm_head.weight)
+        head = getattr(self, "lm_head_quant", None)  # --weight-dtype (executor/weight_quant.py)
+        logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head.weight)
         if out is None:
             return logits.float()
         return out.copy_(logits)

@@ -248,7 +248,8 @@ def test_an_abort_while_a_window_is_in_flight_frees_the_request_and_spares_the_r
             max_new_tokens=10, temperature=0.0, ignore_eos=True))
 
     alone = _stream(runner, 4, True, [gen("b", PROMPTS["b"])])["b"]
-    s = Scheduler(ServerArgs(model_path="unused", num_scheduler_steps=4, debug_invariants=True), runner)
+    s = Scheduler(ServerArgs(model_path="unused", num_scheduler_steps=4, disable_overlap_schedule=False,
+                             debug_invariants=True), runner)
     s.handle(gen("a", PROMPTS["a"]))
     s.handle(gen("b", PROMPTS["b"]))
     b_ids = []

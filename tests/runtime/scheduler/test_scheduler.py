@@ -30,6 +30,7 @@ class StubRunner:
     context_length = 256
 
     pool = SimpleNamespace(bytes_per_token=1024, sink_slots=0, sink_tokens=0)  # a float pool: no exact sink
+    device = SimpleNamespace(type="cuda")  # a device that computes on its own: overlap on by default
 
     def __init__(self, next_token: int = 7, fail: bool = False) -> None:
         self.next_token, self.fail, self.calls = next_token, fail, 0
@@ -486,7 +487,7 @@ def test_usable_cores_honours_a_cgroup_quota(tmp_path):
     """A container limited to 2.5 CPUs on a many-core host counts 3, so no default spin."""
     import os
 
-    from radixlm.runtime.scheduler.scheduler import usable_cores
+    from radixlm.runtime.executor.model_loader import usable_cores
 
     affinity = len(os.sched_getaffinity(0))
     cpu_max = tmp_path / "cpu.max"
