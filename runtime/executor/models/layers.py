@@ -139,8 +139,8 @@ class RotaryEmbedding(nn.Module):
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(base, params)
         elif rope_type == "longrope":
-            inv_freq = base / torch.tensor(params["short_factor"], dtype=torch.float32)
-            self._long_inv_freq = base / torch.tensor(params["long_factor"], dtype=torch.float32)
+            inv_freq = base / torch.tensor(params["short_factor"], dtype=torch.float32, device="cpu")
+            self._long_inv_freq = base / torch.tensor(params["long_factor"], dtype=torch.float32, device="cpu")
             self.long_from = int(params["original_max_position_embeddings"])
             self.attention_factor = _longrope_attention_factor(params)
         else:

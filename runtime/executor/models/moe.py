@@ -42,10 +42,10 @@ class MoeSpec:
 def moe_spec(config: Any) -> MoeSpec:
     """From config.json: Mixtral's ``num_local_experts`` (always renormalised) or Qwen3-MoE's
     ``num_experts`` / ``moe_intermediate_size`` / ``norm_topk_prob``."""
-    if getattr(config, "num_local_experts", None):
-        return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True)
-    return MoeSpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                   bool(getattr(config, "norm_topk_prob", False)))  # fmt: skip
+    if getattr(config, "moe_intermediate_size", None):  # Qwen3-MoE (its config also answers num_local_experts)
+        return MoeSpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                       bool(getattr(config, "norm_topk_prob", False)))  # fmt: skip
+    return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True)
 
 
 class Experts(nn.Module):
