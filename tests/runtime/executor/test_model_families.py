@@ -54,7 +54,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def _hf_model(family: str, out: Path) -> torch.nn.Module:
+def hf_family_model(family: str, out: Path) -> torch.nn.Module:
     """Build, randomise (non-zero norms and biases) and save the tiny ``family`` model."""
     import transformers
 
@@ -75,7 +75,7 @@ def served(request: pytest.FixtureRequest, smollm2_dir: str, tmp_path_factory: p
     """(family, transformers model, an in-process server of the same weights)."""
     family = request.param
     out = tmp_path_factory.mktemp(family)
-    hf = _hf_model(family, out)
+    hf = hf_family_model(family, out)
     args = ServerArgs(model_path=str(out), tokenizer_path=smollm2_dir, device="cpu", dtype="float32",
                       attention_backend="torch", max_total_tokens=1024, max_running_requests=4,
                       log_level="warning", debug_invariants=True)  # fmt: skip
