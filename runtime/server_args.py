@@ -258,6 +258,11 @@ class ServerArgs:
     attention_backend: str = _opt(
         "auto", "Attention backend ('auto': triton on CUDA, torch otherwise).", ("auto", "torch", "triton")
     )
+    load_format: str = _opt(
+        "auto", "Weights: 'auto' reads the checkpoint's safetensors; 'dummy' fills random weights "
+        "(normal, std 0.02; norms 1) and reads none, for benchmarks of real shapes from a config.json "
+        "alone (vLLM's --load-format dummy).", ("auto", "dummy")
+    )
     disable_overlap_schedule: bool = _opt(
         False, "Read each step's sampled tokens before planning the next one (no CPU/GPU overlap)."
     )

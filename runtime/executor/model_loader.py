@@ -254,12 +254,14 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     attention_backend: AttentionBackend | str = "auto",
+    load_format: str = "auto",
 ) -> CausalLM:
     """Build our model for the HF directory ``model_dir`` and load its safetensors weights.
 
     Parameters are created on the meta device (no random init), materialised on
     ``device`` in ``dtype`` and filled from the checkpoint. Returns the model in eval
-    mode without gradients. Raises ValueError for unsupported architectures.
+    mode without gradients; ``load_format="dummy"``: random weights instead, no checkpoint
+    read (``dummy_weights``). Raises ValueError for unsupported architectures.
     """
     from transformers import AutoConfig
 
@@ -271,5 +273,20 @@ def load_model(
     with torch.device("meta"):
         model = cls(config, attention_backend)
     model = model.to(resolve_dtype(dtype, device)).to_empty(device=device)
-    model.load_weights(iter_safetensors(model_dir))
+    if load_format == "dummy":
+        dummy_weights(model)
+    else:
+        model.load_weights(iter_safetensors(model_dir))
     return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Fill every parameter with N(0, std^2) (norm weights with 1, as after the family's
+    offset), in place on the model's device (``--load-format dummy``)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)

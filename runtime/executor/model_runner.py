@@ -81,7 +81,7 @@ class ModelRunner:
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # threads spin 10x slower
         self.model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.model = load_model(self.model_dir, self.dtype, self.device, args.attention_backend)
+        self.model = load_model(self.model_dir, self.dtype, self.device, args.attention_backend, args.load_format)
         self.config = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.config, self.tokenizer)
