@@ -45,6 +45,8 @@ __all__ = [
     "dequantize_int4",
     "dequantize_int4_pages",
     "dequantize_tiered_pages",
+    "fused_moe",
+    "moe_route",
     "quantize_int4",
     "quantize_int4_pages",
     "gather_kv",
@@ -248,19 +250,39 @@ def _as_list(values: IntList) -> list[int]:
 
 
 def _attend_one(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float,
+    softcap: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of one request in float32. q [E, H, D], k/v [L, K, D] -> [E, H, D]."""
+    """Causal attention of one request in float32. q [E, H, D], k/v [L, K, D] -> [E, H, D].
+    ``softcap``: scores -> cap * tanh(scores / cap) before the mask; ``window`` W: the query
+    at position p sees keys (p - W, p] only (``_visible``)."""
     extend_len, num_heads = q.shape[0], q.shape[1]
     group = num_heads // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # [L, K, D] -> [L, H, D]
     v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("ehd,lhd->hel", q.float(), k) * scale  # [H, E, L]
+    scores = _softcap(torch.einsum("ehd,lhd->hel", q.float(), k) * scale, softcap)  # [H, E, L]
     q_pos = torch.arange(extend_len, device=q.device)[:, None] + prefix_len  # [E, 1]
     k_pos = torch.arange(k.shape[0], device=q.device)[None, :]  # [1, L]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    scores = scores.masked_fill(~_visible(q_pos, k_pos, window), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hel,lhd->ehd", probs, v)  # [E, H, D]
+
+
+def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Attention-logit soft-capping (Gemma 2): ``cap * tanh(scores / cap)``; None: unchanged."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys a query sees: causal, and with a sliding window W only the last W
+    positions including its own (Mistral, Gemma 2/3 local layers; Hugging Face's
+    ``sliding_window_overlay``)::
+
+        keys:   0 ... p-W | p-W+1 ... p | p+1 ...
+                 hidden   |   visible   | future (hidden)
+    """
+    visible = k_pos <= q_pos
+    return visible if window is None else visible & (k_pos > q_pos - window)
 
 
 class Sink(NamedTuple):
@@ -299,6 +321,8 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sink: Sink | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole sequence, via pages.
 
@@ -313,6 +337,8 @@ def paged_attention(
         sink: exact attention sink of an FP8 pool (``Sink``): request b reads position 0
             from ``sink.k[slots[b]]`` / ``sink.v[slots[b]]`` instead of its page when
             ``slots[b] >= 0``.
+        softcap: attention-logit soft-capping value (Gemma 2) or None.
+        window: sliding window W (a query at position p sees keys p - W + 1 .. p) or None.
 
     Returns:
         [T, H, D] attention output in q's dtype (computed in float32).
@@ -332,7 +358,7 @@ def paged_attention(
             k, v = sink.apply(k[None], v[None], k_scale, v_scale, b)
             k, v = k[0], v[0]
         rows = slice(start, start + e_len)
-        out[rows] = _attend_one(q[rows], k, v, p_len, scale).to(q.dtype)
+        out[rows] = _attend_one(q[rows], k, v, p_len, scale, softcap, window).to(q.dtype)
         start += e_len
     return out
 
@@ -347,6 +373,8 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sink: Sink | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode step (one query token per request), batched: no Python loop over requests.
 
@@ -363,6 +391,7 @@ def paged_decode_attention(
         scale: softmax scale.
         k_scale, v_scale: [K] float32 scales of FP8 pools (None for float pools).
         sink: exact attention sink (as in ``paged_attention``).
+        softcap, window: as in ``paged_attention``.
 
     Returns:
         [B, H, D] in q's dtype (computed in float32).
@@ -382,9 +411,54 @@ def paged_decode_attention(
     if sink is not None:
         k, v = sink.apply(k, v, k_scale, v_scale)
     qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, D]
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, K, G, L]
+    scores = _softcap(torch.einsum("bkgd,blkd->bkgl", qg, k) * scale, softcap)  # [B, K, G, L]
     pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, L]
+    if window is not None:  # keys at or before seq_len - 1 - W: outside the window
+        pad |= torch.arange(max_len, device=q.device)[None, :] <= lens[:, None] - 1 - window
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     v = v.masked_fill(pad[:, :, None, None], 0.0)  # unwritten slots may hold NaN: 0 * NaN = NaN
     out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)  # [B, K, G, D]
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert routing: softmax over the X experts in float32, the k largest, and with
+    ``renormalize`` those k divided by their sum (Mixtral always, which equals a softmax over
+    the top-k logits; Qwen3-MoE where ``norm_topk_prob``).
+
+    router_logits [T, X] -> (weights [T, k] float32, expert ids [T, k] int64).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """Sparse MoE MLP (Shazeer et al. 2017; Mixtral, Jiang et al. 2024): for each token t and
+    each of its k experts e = topk_ids[t, j], ``topk_weights[t, j] * down_e(silu(gate_e(x_t)) *
+    up_e(x_t))``, summed over j.
+
+    Args:
+        x: [T, E] hidden states.
+        w13: [X, 2F, E] per-expert gate (rows :F) and up (rows F:) projections.
+        w2: [X, E, F] per-expert down projections.
+        topk_weights: [T, k] float routing weights (``moe_route``).
+        topk_ids: [T, k] int expert ids (an expert may receive no token).
+
+    Returns:
+        [T, E] in x's dtype. Rounded where the Triton kernel (``kernels/fused_moe.py``)
+        rounds: each GEMM and the activation in x's dtype, each weighted expert output
+        rounded to it, the sum over the k experts in float32.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        rows, slot = torch.where(topk_ids == expert)  # [n] tokens routed to it, their k slot
+        gate, up = (x[rows] @ w13[expert].t()).chunk(2, dim=-1)  # [n, F] each
+        y = (torch.nn.functional.silu(gate) * up) @ w2[expert].t()  # [n, E]
+        weighted = (y.float() * topk_weights[rows, slot, None].float()).to(x.dtype)
+        out.index_add_(0, rows, weighted.float())
+    return out.to(x.dtype)

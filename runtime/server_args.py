@@ -259,6 +259,11 @@ class ServerArgs:
     attention_backend: str = _opt(
         "auto", "Attention backend ('auto': triton on CUDA, torch otherwise).", ("auto", "torch", "triton")
     )
+    load_format: str = _opt(
+        "auto", "Weights: 'auto' reads the checkpoint's safetensors; 'dummy' fills random weights "
+        "(normal, std 0.02; norms 1) and reads none, for benchmarks of real shapes from a config.json "
+        "alone (vLLM's --load-format dummy).", ("auto", "dummy")
+    )
     weight_dtype: str = _opt(
         "auto", "How the linear layers' weights are held (CPU): 'model' = in --dtype; 'bfloat16'; "
         "'int8' (per-row scales); 'int4' (groups of 32 with scale and zero point, llama.cpp's Q4_1). "

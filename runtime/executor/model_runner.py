@@ -82,7 +82,7 @@ class ModelRunner:
             torch.set_num_threads(cpu_threads())
         self.model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.model = load_model(self.model_dir, self.dtype, self.device, args.attention_backend)
+        self.model = load_model(self.model_dir, self.dtype, self.device, args.attention_backend, args.load_format)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # before packing any weights
         self.weight_dtype = resolve_weight_dtype(args.weight_dtype, args.model_path, self.device)
         if self.weight_dtype[0] != "model":
@@ -179,6 +179,10 @@ class ModelRunner:
         if (args.disable_cuda_graph or self.device.type != "cuda"
                 or not isinstance(self.model.attn_backend, TritonAttentionBackend)):
             return None
+        if self.model.attn_backend.needs_reference:  # soft-capping / sliding windows: not capturable yet
+            logger.warning("CUDA graphs off: this model's soft-capping or sliding-window layers attend "
+                           "through the PyTorch reference on the Triton backend (docs/MODELS.md)")
+            return None
         max_bs = args.cuda_graph_max_bs or args.max_running_requests
         max_pages = -(-self.context_length // self.page_size)
         # int4 / mixed: extend graphs not used yet (their extend kernel untested under capture)
@@ -191,7 +195,8 @@ class ModelRunner:
         """Piecewise CUDA graphs for the other steps, where the decode graphs run and the pool
         fits (``pool_fits``: float pages in the model dtype), unless their flag is 0."""
         tokens = self.args.piecewise_cuda_graph_max_tokens
-        if self.graph_runner is None or not tokens or not pool_fits(self.pool, self.dtype):
+        if (self.graph_runner is None or not tokens or not pool_fits(self.pool, self.dtype)
+                or not self.model.model.fused):  # fmt: skip
             return None
         return PiecewiseGraphs(self.model, self.pool, tokens)
 

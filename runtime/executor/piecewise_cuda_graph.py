@@ -75,7 +75,7 @@ def pool_fits(pool: KVPool, dtype: torch.dtype) -> bool:
 
 
 class PiecewiseGraphs:
-    """The pieces of ``model`` (a fused ``LlamaForCausalLM``) over ``pool``, captured for
+    """The pieces of ``model`` (a fused ``models.CausalLM``) over ``pool``, captured for
     every bucket of ``piecewise_sizes(max_tokens)``.
 
     Args:
@@ -165,6 +165,7 @@ class PiecewiseGraphs:
         layer = self.layers[piece]
         qkv, residual = layer.qkv_fused(x, residual)
         q, k, v = layer.self_attn.heads(qkv)
+        layer.self_attn.qk_norm_(q, k)
         layer.self_attn.rope_(q, k, self.inputs[1, :tg], pool)
         _store_kv(pool.k[piece], pool.v[piece], k, v, self.inputs[2, :tg])
         self.qkv[:tg] = qkv

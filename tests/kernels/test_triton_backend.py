@@ -195,11 +195,11 @@ def test_model_on_the_triton_backend_uses_fused_kernels_and_matches_torch(tiny_h
 
     from radixlm.kernels import gemv as gemv_module
     from radixlm.runtime.executor.model_loader import load_model
-    from radixlm.runtime.executor.models import llama
+    from radixlm.runtime.executor.models import decoder
 
     calls: list[str] = []
     if gemv == "forced":
-        monkeypatch.setattr(llama, "_gemv_ok", lambda layer, x: x.shape[0] == 1 and layer.bias is None)
+        monkeypatch.setattr(decoder, "_gemv_ok", lambda layer, x: x.shape[0] == 1 and layer.bias is None)
         for name in ("rmsnorm_gemv", "silu_mul_gemv"):
             fn = getattr(gemv_module, name)
             def record(*a, _fn=fn, _name=name, **kw):

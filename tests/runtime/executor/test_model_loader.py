@@ -185,8 +185,23 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="unsupported architecture"):
+    with pytest.raises(ValueError, match="unsupported architecture") as err:
         load_model(tmp_path, "float32", "cpu", "torch")
+    assert "Qwen3MoeForCausalLM" in str(err.value) and "Gemma3ForCausalLM" in str(err.value)  # names the supported
+
+
+def test_dummy_load_format_reads_no_weights(tmp_path: Path) -> None:
+    """--load-format dummy: a config.json alone gives a model with random weights, norms 1."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                   vocab_size=64, architectures=["Qwen3MoeForCausalLM"]).save_pretrained(tmp_path)  # fmt: skip
+    model = load_model(tmp_path, "float32", "cpu", "torch", load_format="dummy")
+    params = dict(model.named_parameters())
+    assert torch.equal(params["model.norm.weight"], torch.ones(32))
+    experts = params["model.layers.0.mlp.experts.gate_up_proj"]
+    assert experts.shape == (4, 32, 32) and 0.01 < experts.std().item() < 0.03
 
 
 def test_unknown_dtype(tiny_hf_model: Callable) -> None:
