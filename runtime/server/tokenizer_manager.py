@@ -33,6 +33,7 @@ import msgspec
 from radixlm.runtime import messages as m
 from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.text.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.text.tool_parsers import get_parser
 
 __all__ = ["TokenizerManager", "GenInput", "Generation", "SampleChunk", "InvalidRequest", "SchedulerDied",
            "QueueFull", "Ticket"]
@@ -219,8 +220,10 @@ class Generation:
 class TokenizerManager:
     def __init__(self, tokenizer, ready: m.SchedulerReady, send: MsgSocket, recv: MsgSocket,
                  model_name: str, log_requests: bool = False, max_running_requests: int = 64,
-                 max_queued_requests: int | None = None) -> None:
+                 max_queued_requests: int | None = None, tool_call_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
+        # the format of tool calls (runtime/text/tool_parsers.py); "auto": from the chat template
+        self.tool_format = get_parser(tool_call_parser, getattr(tokenizer, "chat_template", None))
         self.ready = ready
         self.send = send
         self.recv = recv
