@@ -318,7 +318,8 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, generation: Generation
     try:
         if chat:
             for i in range(bases[-1]):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                # with tools, content stays null unless text comes (as in an unstreamed reply)
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": None if calls else ""},
                              "logprobs": None, "finish_reason": None})
         # the prompts of a batch run concurrently; chunks interleave, each with its index
         async with contextlib.aclosing(generation) as chunks:

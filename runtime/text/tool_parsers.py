@@ -223,6 +223,7 @@ class Llama3JsonFormat(ToolCallFormat):
                     '{"name": <function-name>, "parameters": <args-json-object>}; '
                     'separate several calls with "; ".')
     _start = re.compile(r'\{\s*"name"\s*:')
+    _partial_start = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*)?)?)?)?)?)?$')  # may become _start
 
     def scan(self, text: str, final: bool) -> list[Segment]:
         text = text.replace(self.python_tag, "")
@@ -232,7 +233,12 @@ class Llama3JsonFormat(ToolCallFormat):
             m = self._start.search(text, pos)
             if m is None:
                 tail = text[pos:]
-                out.append(tail if final else tail[: len(tail) - _partial_suffix(tail, '{"name"')])
+                if not final:
+                    held = self._partial_start.search(tail)
+                    tail = tail[: held.start()] if held else tail
+                    if out and isinstance(out[-1], CallText) and not tail.strip(" \n;"):
+                        tail = ""  # a separator, or text: not known yet
+                out.append(tail)
                 return out
             between = text[pos:m.start()]
             previous_call = bool(out) and isinstance(out[-1], CallText)
