@@ -57,6 +57,7 @@ from radixlm.runtime.server.tokenizer_manager import (
     SampleChunk,
     SchedulerDied,
     TokenizerManager,
+    check_unicode_in,
 )
 from radixlm.runtime.server.tool_calling import ToolCallStream, ToolPlan, plan_tools, render_chat
 
@@ -205,6 +206,7 @@ def _completion_gens(tm: TokenizerManager, body: CompletionRequest) -> tuple[lis
 
 def _chat_gen(tm: TokenizerManager, body: ChatCompletionRequest) -> tuple[GenInput, ToolPlan | None]:
     _check_model(tm, body.model)
+    check_unicode_in([t.model_dump() for t in body.tools or ()], "tools")  # before they join the messages
     messages, tools = render_chat(body, tm.tool_format, tm.tokenizer.chat_template)
     ids = tm.apply_chat_template(messages, body.add_generation_prompt, tools)
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, tm.tool_format)

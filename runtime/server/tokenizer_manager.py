@@ -36,7 +36,7 @@ from radixlm.runtime.text.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.text.tool_parsers import get_parser
 
 __all__ = ["TokenizerManager", "GenInput", "Generation", "SampleChunk", "InvalidRequest", "SchedulerDied",
-           "QueueFull", "Ticket"]
+           "QueueFull", "Ticket", "check_unicode_in"]
 
 logger = logging.getLogger("radixlm.tokenizer")
 LOG_TEXT_CHARS = 2000  # --log-requests logs at most this many characters of each text
@@ -61,8 +61,9 @@ def _check_unicode(text: str, field_name: str) -> None:
                              field_name) from exc
 
 
-def _check_unicode_in(value: object, field_name: str) -> None:
-    """``_check_unicode`` on every string inside ``value`` (decoded JSON: dicts, lists)."""
+def check_unicode_in(value: object, field_name: str) -> None:
+    """``_check_unicode`` on every string inside ``value`` (decoded JSON: dicts, lists).
+    Raises InvalidRequest naming ``field_name``."""
     stack = [value]
     while stack:
         node = stack.pop()
@@ -291,8 +292,8 @@ class TokenizerManager:
                             tools: list[dict] | None = None) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
-        _check_unicode_in(messages, "messages")  # else the tokenizer's own TypeError text
-        _check_unicode_in(tools, "tools")
+        check_unicode_in(messages, "messages")  # else the tokenizer's own TypeError text
+        check_unicode_in(tools, "tools")
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt,
