@@ -115,7 +115,8 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, min_tokens: i
         seed: int | None = None, regex: str | None = None, json_schema: str | dict | None = None,
         ebnf: str | None = None, return_logprob: bool | None = None,
         top_logprobs_num: int | None = None, choices: Sequence[str] | None = None,
-        choices_method: ChoicesMethod | None = None) -> Gen | Select:
+        choices_method: ChoicesMethod | None = None, tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None) -> Gen | Select:
     """Generate into variable ``name``: at most ``max_tokens`` tokens, ending before a
     ``stop`` string or a match of a ``stop_regex`` pattern. Unset parameters inherit the
     program's defaults. ``regex``, or ``json_schema`` (a JSON string or a dict), or
@@ -124,7 +125,20 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, min_tokens: i
     Python's syntax), ValueError if more than one constraint is given. ``regex`` is the
     grammar compiler's dialect (xgrammar: e.g. ``(?<name>...)`` groups, which Python's
     ``re`` refuses), so it is not checked here: an invalid one is the server's 400 with the
-    compiler's message (BackendError)."""
+    compiler's message (BackendError).
+
+    ``tools`` (OpenAI tool definitions, ``{"type": "function", "function": {"name",
+    "description", "parameters"}}``) makes this gen a tool call: the server generates the
+    call in its tool-call format under the tools' grammar (``tool_choice``: "auto" (the
+    default: the model may also answer in text), "required", or ``{"type": "function",
+    "function": {"name": ...}}``; ``parallel_tool_calls=False``: at most one call), the
+    state's text gets the output as written, and variable ``name`` holds the parsed calls:
+    a list of ``{"id", "name", "arguments"}`` with the arguments decoded (a dict). The
+    prompt is the program's own: describe the tools in it (e.g. in the system message).
+    Needs a backend on radixlm's native API (``RuntimeEndpoint``, ``Runtime``, ``Engine``).
+    Raises ValueError for an empty ``tools`` or ``tools`` with another constraint."""
+    if tools is not None and (not tools or regex is not None or json_schema is not None or ebnf is not None):
+        raise ValueError("tools must be a non-empty list of tool definitions, without regex / json_schema / ebnf")
     if choices is not None:
         return select(name, choices, choices_method=choices_method or token_length_normalized)
     for pattern in [stop_regex] if isinstance(stop_regex, str) else list(stop_regex or []):
@@ -135,7 +149,9 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, min_tokens: i
                      stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k,
                      min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                      ignore_eos=ignore_eos, seed=seed, regex=regex, json_schema=json_schema, ebnf=ebnf,
-                     return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                     return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, tools=tools,
+                     tool_choice=tool_choice if tools is not None else None,
+                     parallel_tool_calls=parallel_tool_calls if tools is not None else None)
     SamplingParams().merge(overrides)  # type errors surface here, at the call site
     return Gen(name, {k: v for k, v in overrides.items() if v is not None})
 

@@ -12,6 +12,7 @@ worker; later reads, appends and ``run`` raise it.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -201,7 +202,7 @@ class StreamExecutor:
         if not self.stream:
             text, meta = self.backend.generate(prompt, params)
             self._append(text)
-            self._set_var(expr.name, text, meta)
+            self._set_var(expr.name, _gen_value(text, meta, params), meta)
             return
         out, meta = "", {}
         for delta, chunk_meta in self.backend.generate_stream(prompt, params):
@@ -211,7 +212,7 @@ class StreamExecutor:
                     self.variables[expr.name] = out
                 self.text_ += delta
                 self.changed.notify_all()
-        self._set_var(expr.name, out, meta)
+        self._set_var(expr.name, _gen_value(out, meta, params), meta)
 
     def _select(self, expr: Select) -> None:
         choice, meta = self.backend.select(self._prompt(), expr.choices, expr.method)
@@ -233,6 +234,15 @@ class StreamExecutor:
         self._append(self.backend.chat_template().suffix(history, role))
         self.messages_.append({"role": role, "content": content})
         self.cur_role = None
+
+
+def _gen_value(text: str, meta: dict[str, Any], params: SamplingParams) -> Any:
+    """A gen's variable: its text, or with ``tools`` the calls the server parsed out of it
+    (``[{"id", "name", "arguments": dict}]``)."""
+    if params.tools is None:
+        return text
+    return [{"id": c["id"], "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+            for c in meta.get("tool_calls") or []]
 
 
 class ProgramState:

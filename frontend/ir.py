@@ -30,7 +30,9 @@ class SamplingParams:
     text matches (the server must support them: radixlm and SGLang do); ``regex`` / ``json_schema`` (a JSON string) / ``ebnf``
     constrain the output (the server must support constrained decoding; one at most).
     ``return_logprob`` and the fields after it are request-level options of ``/generate``
-    whose results land in the variable's meta info.
+    whose results land in the variable's meta info; ``tools`` (OpenAI tool definitions, as
+    JSON text), ``tool_choice`` (JSON text) and ``parallel_tool_calls`` make the server
+    generate calls under the tools' grammar and parse them (``meta_info["tool_calls"]``).
     """
 
     max_new_tokens: int = 128
@@ -54,9 +56,13 @@ class SamplingParams:
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool = False
+    tools: str | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool | None = None
 
     REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
                       "return_text_in_logprobs")
+    TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
@@ -76,14 +82,14 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in self.REQUEST_FIELDS or value == f.default:
+            if f.name in self.REQUEST_FIELDS or f.name in self.TOOL_FIELDS or value == f.default:
                 continue
             out[f.name] = list(value) if isinstance(value, tuple) else value
         out["max_new_tokens"] = self.max_new_tokens
         return out
 
     def request_fields(self) -> dict[str, Any]:
-        """The request-level logprob options of a ``/generate`` body (only those set)."""
+        """The request-level logprob and tool options of a ``/generate`` body (only those set)."""
         out: dict[str, Any] = {}
         if self.return_logprob:
             out["return_logprob"] = True
@@ -91,6 +97,12 @@ class SamplingParams:
                 value = getattr(self, name)
                 if value not in (None, False):
                     out[name] = value
+        if self.tools is not None:
+            out["tools"] = json.loads(self.tools)
+            if self.tool_choice is not None:
+                out["tool_choice"] = json.loads(self.tool_choice)
+            if self.parallel_tool_calls is not None:
+                out["parallel_tool_calls"] = self.parallel_tool_calls
         return out
 
     @property
@@ -105,6 +117,8 @@ def _normalise(name: str, value: Any) -> Any:
         return tuple(value)
     if name == "json_schema" and not isinstance(value, str):
         return json.dumps(value)  # a dict schema is accepted too
+    if name in ("tools", "tool_choice"):
+        return json.dumps(list(value) if name == "tools" else value)
     return value
 
 

@@ -60,6 +60,8 @@ class OpenAI(Backend):
         return self._template
 
     def _body(self, prompt: Prompt, params: SamplingParams, stream: bool) -> tuple[str, dict[str, Any]]:
+        if params.tools is not None:
+            raise NotImplementedError("gen(tools=...) needs radixlm's native API (RuntimeEndpoint, Runtime, Engine)")
         body: dict[str, Any] = {"model": self.model_name, "stream": stream}
         for extra in ("regex", "ebnf"):
             if getattr(params, extra) is not None:

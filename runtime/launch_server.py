@@ -98,7 +98,7 @@ def make_tokenizer_manager(args: ServerArgs, ready: m.SchedulerReady, send: MsgS
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or ready.model_dir)
     return TokenizerManager(tokenizer, ready, send, recv, served_model_name(args), log_requests=args.log_requests,
                             max_running_requests=args.max_running_requests,
-                            max_queued_requests=args.max_queued_requests)
+                            max_queued_requests=args.max_queued_requests, tool_call_parser=args.tool_call_parser)
 
 
 async def _watchdog(proc: mp.Process, tm: TokenizerManager, server: uvicorn.Server, state: dict) -> None:

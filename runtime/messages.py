@@ -62,6 +62,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     regex: str | None = None
     json_schema: str | None = None  # a JSON Schema as JSON text
     ebnf: str | None = None
+    structural_tag: str | None = None  # an xgrammar structural tag as JSON text (tool calls)
 
 
 class GenerateReq(msgspec.Struct, tag=True, kw_only=True):

@@ -35,6 +35,7 @@ PREEMPTION_POLICIES = ("lru", "longest", "importance")  # scheduler.preemption
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # scheduler.planner
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")  # scheduler.waiting_order
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # scheduler.hicache
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # "auto" + text.tool_parsers
 
 __all__ = ["ServerArgs"]
 
@@ -313,6 +314,12 @@ class ServerArgs:
         "whenever idle unless --sleep-on-idle). An Engine's scheduler thread never spins."
     )
     stream_interval: int = _opt(1, "Send streamed output every N decode steps.")
+    tool_call_parser: str = _opt(
+        "auto", "Format of tool calls in the model's output, read into OpenAI tool_calls and imposed by "
+        "grammar: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), "
+        "mistral ([TOOL_CALLS][...]). auto: the one whose marker the chat template mentions, else hermes.",
+        TOOL_CALL_PARSERS,
+    )
     stream_output: bool = _opt(
         False, "Native /generate streams disjoint segments: each event carries only the text, "
         "output_ids and output logprobs new since the previous one (SGLang's --stream-output); "

@@ -232,6 +232,7 @@ def test_cli_choices_match_registries():
     from radixlm.runtime.memory import kv_formats
     from radixlm.runtime.scheduler import hicache, planner, preemption, waiting_order
     from radixlm.runtime.server_args import ServerArgs
+    from radixlm.runtime.text import tool_parsers
 
     fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
     assert tuple(fields["attention_backend"].metadata["choices"]) == tuple(
@@ -245,6 +246,7 @@ def test_cli_choices_match_registries():
     assert fields["preemption_mode"].metadata["choices"] == planner.PREEMPTION_MODES
     assert fields["schedule_policy"].metadata["choices"] == waiting_order.SCHEDULE_POLICIES
     assert fields["hicache_write_policy"].metadata["choices"] == hicache.WRITE_POLICIES
+    assert fields["tool_call_parser"].metadata["choices"] == ("auto", *tool_parsers.TOOL_CALL_PARSERS)
 
 
 @pytest.mark.parametrize(("module", "forbidden"), [

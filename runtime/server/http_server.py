@@ -46,7 +46,9 @@ from radixlm.runtime.server.tokenizer_manager import (
     Ticket,
     TokenizerManager,
 )
+from radixlm.runtime.server.tool_calling import ToolPlan, plan_tools
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.text.grammar import grammar_of
 
 __all__ = ["create_app", "flush_radix_cache", "model_info", "native_generate", "native_generate_stream"]
 
@@ -79,7 +81,7 @@ def _native_inputs(tm: TokenizerManager, req: GenerateRequest) -> list[tuple[lis
     return [(list(b), "input_ids") for b in batch]
 
 
-def _native_gens(tm: TokenizerManager, req: GenerateRequest) -> list[GenInput]:
+def _native_gens(tm: TokenizerManager, req: GenerateRequest, plan: ToolPlan | None = None) -> list[GenInput]:
     inputs = _native_inputs(tm, req)
     if not inputs:
         raise InvalidRequest("the batch is empty", "text" if req.text is not None else "input_ids")
@@ -87,9 +89,12 @@ def _native_gens(tm: TokenizerManager, req: GenerateRequest) -> list[GenInput]:
     if len(rids) != len(inputs):
         raise InvalidRequest("rid must have one entry per prompt", "rid")
     sp = req.sampling_params
+    sampling = sp.to_sampling()
+    if plan is not None:
+        sampling = msgspec.structs.replace(sampling, structural_tag=plan.grammar)
     gens = []
     for (ids, field), rid in zip(inputs, rids, strict=True):
-        gen = GenInput(input_ids=ids, sampling=sp.to_sampling(), n=sp.n, return_logprob=req.return_logprob,
+        gen = GenInput(input_ids=ids, sampling=sampling, n=sp.n, return_logprob=req.return_logprob,
                        logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                        top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                        stream=req.stream)
@@ -99,11 +104,22 @@ def _native_gens(tm: TokenizerManager, req: GenerateRequest) -> list[GenInput]:
     return gens
 
 
+def _tool_plan(tm: TokenizerManager, req: GenerateRequest) -> ToolPlan | None:
+    """The tool calls of a native request (radixlm's extension: ``tools``, ``tool_choice``,
+    ``parallel_tool_calls`` as on the chat route; the prompt is the caller's text)."""
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tm.tool_format)
+    if plan is not None and grammar_of(req.sampling_params) is not None:
+        raise InvalidRequest("tools constrain the output with their own grammar: give no regex, json_schema, "
+                             "ebnf or structural_tag with them", "tools")
+    return plan
+
+
 class _NativeResult:
     """Accumulates one sample's chunks into SGLang's response shape."""
 
-    def __init__(self, tm: TokenizerManager, gen: GenInput, index: int, with_text: bool) -> None:
-        self.tm, self.gen, self.index, self.with_text = tm, gen, index, with_text
+    def __init__(self, tm: TokenizerManager, gen: GenInput, index: int, with_text: bool,
+                 plan: ToolPlan | None = None) -> None:
+        self.tm, self.gen, self.index, self.with_text, self.plan = tm, gen, index, with_text, plan
         self.text, self.ids = "", []
         self.logprobs: list[float] = []
         self.top: list = []
@@ -159,6 +175,8 @@ class _NativeResult:
                 ptop = (getattr(self, "prompt_top", None) or []) if since == (0, 0) else []
                 meta["input_top_logprobs"] = self._tops(ptop)
                 meta["output_top_logprobs"] = self._tops(self.top[toks:])
+        if self.plan is not None and c is not None and c.finished:
+            meta["tool_calls"] = self.plan.message(self.text)[1]
         if since == (0, 0):
             return {"text": self.text, "output_ids": self.ids, "meta_info": meta}
         return {"text": self.text[chars:], "output_ids": self.ids[toks:], "meta_info": meta}
@@ -237,14 +255,15 @@ async def native_generate(tm: TokenizerManager, metrics: Metrics, body: Generate
     """The JSON of a non-streaming native ``/generate``: one result dict, or a list for a
     batch or ``n`` > 1. ``collect`` gathers one prompt's chunks (None: the client left;
     then this returns None). Raises InvalidRequest, QueueFull, SchedulerDied."""
-    gens = _native_gens(tm, body)
+    plan = _tool_plan(tm, body)
+    gens = _native_gens(tm, body, plan)
     results = []
     with tm.admit(gens):  # the prompts of a batch run concurrently (batched by the scheduler)
         gathered = await asyncio.gather(*(collect(tm.generate(g)) for g in gens))
         if any(chunks is None for chunks in gathered):
             return None
         for gen, chunks in zip(gens, gathered, strict=True):
-            res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)]
+            res = [_NativeResult(tm, gen, i, body.return_text_in_logprobs, plan) for i in range(gen.n)]
             for c in chunks:
                 res[c.index].add(c)
                 metrics.observe_chunk(gen, c)
@@ -260,9 +279,10 @@ def native_generate_stream(tm: TokenizerManager, metrics: Metrics, body: Generat
     its admission ticket (the caller releases it when the stream ends, however it ends;
     that aborts what is not finished) and its events (see ``_native_stream``; ``segments``:
     ``--stream-output``). Raises InvalidRequest, QueueFull, SchedulerDied."""
-    gens = _native_gens(tm, body)
+    plan = _tool_plan(tm, body)
+    gens = _native_gens(tm, body, plan)
     ticket, generation = tm.start(gens)
-    return ticket, _native_stream(tm, generation, gens, body, metrics, segments)
+    return ticket, _native_stream(tm, generation, gens, body, metrics, segments, plan)
 
 
 async def _sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -338,15 +358,15 @@ def _internal_state(stats: SchedulerStats | None) -> dict[str, Any]:
 
 
 async def _native_stream(tm: TokenizerManager, generation: Generation, gens: list[GenInput],
-                         body: GenerateRequest, metrics: Metrics, segments: bool = False
-                         ) -> AsyncIterator[dict[str, Any]]:
+                         body: GenerateRequest, metrics: Metrics, segments: bool = False,
+                         plan: ToolPlan | None = None) -> AsyncIterator[dict[str, Any]]:
     """SGLang-style stream events: each carries the cumulative ``text`` and ``output_ids``
     of one sample with its ``index`` (``segments``, SGLang's ``--stream-output``: only what
     is new since that sample's last event; a long reply then costs O(n), not O(n^2), to
     encode, send and parse); a failure mid-stream is a last ``{"error": ...}`` event (HTTP
     sends each as SSE, then ``data: [DONE]``)."""
     bases = list(itertools.accumulate((gen.n for gen in gens), initial=0))
-    res = [[_NativeResult(tm, gen, i, body.return_text_in_logprobs) for i in range(gen.n)] for gen in gens]
+    res = [[_NativeResult(tm, gen, i, body.return_text_in_logprobs, plan) for i in range(gen.n)] for gen in gens]
     try:  # the prompts of a batch run concurrently; events interleave, each with its index
         async with contextlib.aclosing(generation) as chunks:  # closed with us: aborts now
             async for k, c in chunks:

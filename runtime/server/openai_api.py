@@ -36,6 +36,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -56,7 +57,9 @@ from radixlm.runtime.server.tokenizer_manager import (
     SampleChunk,
     SchedulerDied,
     TokenizerManager,
+    check_unicode_in,
 )
+from radixlm.runtime.server.tool_calling import ToolCallStream, ToolPlan, plan_tools, render_chat
 
 __all__ = ["install_openai_routes"]
 
@@ -201,14 +204,20 @@ def _completion_gens(tm: TokenizerManager, body: CompletionRequest) -> tuple[lis
     return gens, echoes
 
 
-def _chat_gen(tm: TokenizerManager, body: ChatCompletionRequest) -> GenInput:
+def _chat_gen(tm: TokenizerManager, body: ChatCompletionRequest) -> tuple[GenInput, ToolPlan | None]:
     _check_model(tm, body.model)
-    ids = tm.apply_chat_template(body.template_messages(), body.add_generation_prompt, body.tools)
+    check_unicode_in([t.model_dump() for t in body.tools or ()], "tools")  # before they join the messages
+    messages, tools = render_chat(body, tm.tool_format, tm.tokenizer.chat_template)
+    ids = tm.apply_chat_template(messages, body.add_generation_prompt, tools)
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, tm.tool_format)
     max_new = body.max_new_tokens or tm.context_length  # clamped to the context by validate()
-    gen = GenInput(input_ids=ids, sampling=body.to_sampling(max_new), n=body.n,
+    sampling = body.to_sampling(max_new)
+    if plan is not None:
+        sampling = msgspec.structs.replace(sampling, structural_tag=plan.grammar)
+    gen = GenInput(input_ids=ids, sampling=sampling, n=body.n,
                    return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                    stream=body.stream)
-    return tm.validate(gen, "messages")
+    return tm.validate(gen, "messages"), plan
 
 
 # ----------------------------------------------------------------------------- routes
@@ -244,11 +253,12 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        gen = _chat_gen(tm, body)
+        gen, plan = _chat_gen(tm, body)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             ticket, generation = tm.start([gen])
-            return HeldStream(_stream(tm, metrics, generation, [gen], body, rid, created, chat=True), ticket)
+            return HeldStream(_stream(tm, metrics, generation, [gen], body, rid, created, chat=True, plan=plan),
+                              ticket)
         with tm.admit([gen]):
             done = await _run_all(tm, metrics, [gen], request)
         if done is None:
@@ -259,8 +269,14 @@ def install_openai_routes(app: FastAPI, tm: TokenizerManager, metrics: Metrics) 
         out = []
         for ch in choices:
             lp = _chat_logprobs(tm, ch.ids, ch.logprobs, ch.top) if body.logprobs else None
-            out.append({"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-                        "logprobs": lp, "finish_reason": _finish(ch.last)})
+            message: dict[str, Any] = {"role": "assistant", "content": ch.text}
+            finish = _finish(ch.last)
+            if plan is not None:
+                message["content"], calls = plan.message(ch.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            out.append({"index": ch.index, "message": message, "logprobs": lp, "finish_reason": finish})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": tm.model_name, "choices": out, "usage": usage.body()})
 
@@ -284,8 +300,8 @@ async def _run_all(tm: TokenizerManager, metrics: Metrics, gens: list[GenInput],
 
 
 async def _stream(tm: TokenizerManager, metrics: Metrics, generation: Generation, gens: list[GenInput],
-                  body: Any, rid: str, created: int, chat: bool, echoes: list[Echo] | None = None
-                  ) -> AsyncIterator[bytes]:
+                  body: Any, rid: str, created: int, chat: bool, echoes: list[Echo] | None = None,
+                  plan: ToolPlan | None = None) -> AsyncIterator[bytes]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     obj = "chat.completion.chunk" if chat else "text_completion"
     usage = _Usage()
@@ -300,10 +316,12 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, generation: Generation
     offsets = [[0] * gen.n for gen in gens]
     pending = [[_Choice(i, echoes[k] if echoes else None) for i in range(gen.n)]  # tokens not yet sent
                for k, gen in enumerate(gens)]
+    calls = [ToolCallStream(plan.fmt) for _ in range(bases[-1])] if plan is not None else None
     try:
         if chat:
             for i in range(bases[-1]):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                # with tools, content stays null unless text comes (as in an unstreamed reply)
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": None if calls else ""},
                              "logprobs": None, "finish_reason": None})
         # the prompts of a batch run concurrently; chunks interleave, each with its index
         async with contextlib.aclosing(generation) as chunks:
@@ -312,6 +330,14 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, generation: Generation
                 usage.add(c)
                 p = pending[k][c.index]
                 p.add(c)
+                if calls is not None:  # chat with tools: content and calls out of the text
+                    for piece in _tool_pieces(tm, body, p, bases[k], calls[bases[k] + c.index], c):
+                        yield chunk(piece)
+                    if p.last is None:  # its tokens went out with a piece
+                        pending[k][c.index] = _Choice(c.index)
+                    if c.finished and (err := _abort_error(c)) is not None:
+                        yield sse({"error": err})
+                    continue
                 if p.text:
                     yield chunk(_stream_choice(tm, body, p, bases[k], offsets[k], chat, None))
                     pending[k][c.index] = p = _Choice(c.index)
@@ -332,6 +358,27 @@ async def _stream(tm: TokenizerManager, metrics: Metrics, generation: Generation
         yield sse({"id": rid, "object": obj, "created": created, "model": tm.model_name,
                    "choices": [], "usage": usage.body()})
     yield SSE_DONE
+
+
+def _tool_pieces(tm: TokenizerManager, body: Any, p: _Choice, base: int, stream: ToolCallStream,
+                 c: SampleChunk) -> list[dict[str, Any]]:
+    """The streamed choices for chunk ``c`` of a chat with tools: one per delta of
+    ``stream`` (the first carries the logprobs of ``p``'s tokens), and the last one with
+    the finish reason ("tool_calls" once a call was sent). Clears ``p.last`` when its
+    tokens were sent."""
+    deltas = stream.push(c.text, c.finished)
+    finish = None
+    if c.finished:
+        finish = "tool_calls" if stream.called and _finish(c) == "stop" else _finish(c)
+        deltas.append({})
+    out = []
+    for i, delta in enumerate(deltas):
+        lp = _chat_logprobs(tm, p.ids, p.logprobs, p.top) if body.logprobs and i == 0 else None
+        out.append({"index": base + p.index, "delta": delta, "logprobs": lp,
+                    "finish_reason": finish if i == len(deltas) - 1 else None})
+    if out:
+        p.last = None
+    return out
 
 
 def _stream_choice(tm: TokenizerManager, body: Any, p: _Choice, base: int, offsets: list[int],

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from radixlm.runtime.messages import SamplingParams
-from radixlm.runtime.text.grammar import check_grammar, check_json_depth
+from radixlm.runtime.text.grammar import GRAMMAR_KINDS, check_grammar, check_json_depth
 from radixlm.runtime.text.stop_regex import check_stop_regex
 
 __all__ = [
@@ -24,7 +24,12 @@ __all__ = [
     "CompletionRequest",
     "ChatMessage",
     "ChatCompletionRequest",
+    "FunctionDefinition",
+    "NamedToolChoice",
     "StreamOptions",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
 ]
 
 # Integers that travel to the scheduler (msgpack, torch int64) must fit in 64 bits: a
@@ -73,6 +78,7 @@ class _Sampling(BaseModel):
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None  # an xgrammar structural tag (SGLang's name)
 
     @field_validator("stop_regex", mode="after")
     @classmethod
@@ -100,7 +106,15 @@ class _Sampling(BaseModel):
         check_grammar("json_schema", text)
         return text
 
-    @field_validator("regex", "ebnf", mode="after")
+    @field_validator("structural_tag", mode="before")
+    @classmethod
+    def _tag_text(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            check_json_depth(v, "structural_tag")
+            return json.dumps(v)
+        return v
+
+    @field_validator("regex", "ebnf", "structural_tag", mode="after")
     @classmethod
     def _grammar(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None:
@@ -109,9 +123,9 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _one_grammar(self) -> _Sampling:
-        given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
-            raise ValueError(f"give at most one of regex, json_schema, ebnf (got {', '.join(given)})")
+            raise ValueError(f"give at most one of {', '.join(GRAMMAR_KINDS)} (got {', '.join(given)})")
         return self
 
     def _common(self) -> dict[str, Any]:
@@ -122,7 +136,7 @@ class _Sampling(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             seed=self.seed, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            regex=self.regex, json_schema=self.json_schema, ebnf=self.ebnf,
+            regex=self.regex, json_schema=self.json_schema, ebnf=self.ebnf, structural_tag=self.structural_tag,
         )
 
 
@@ -156,6 +170,23 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     image_data: Any = None  # SGLang's multimodal input: refused, the served models read text only
+    # radixlm's extension for the frontend DSL: calls constrained and parsed as on the chat
+    # route (meta_info.tool_calls); the prompt is the caller's text, tools are not rendered into it
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools", mode="after")
+    @classmethod
+    def _distinct_names(cls, v: list[Tool] | None) -> list[Tool] | None:
+        check_tools(v)
+        return v
+
+    @field_validator("tool_choice", mode="after")
+    @classmethod
+    def _choice_needs_tools(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        check_tool_choice(v, info.data.get("tools"))
+        return v
 
     @field_validator("image_data")
     @classmethod
@@ -191,8 +222,8 @@ class _OpenAIBase(_Sampling):
     def _response_format(self) -> _OpenAIBase:
         schema = self.response_format.schema_text() if self.response_format is not None else None
         if schema is not None:
-            if self.regex is not None or self.json_schema is not None or self.ebnf is not None:
-                raise ValueError("give response_format or one of regex, json_schema, ebnf, not both")
+            if any(getattr(self, kind) is not None for kind in GRAMMAR_KINDS):
+                raise ValueError(f"give response_format or one of {', '.join(GRAMMAR_KINDS)}, not both")
             self.json_schema = schema
         return self
 
@@ -240,12 +271,40 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (``messages[].tool_calls[]``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """A chat message; an assistant message may carry ``tool_calls`` (its ``content`` then
+    may be null), a ``tool`` message answers one of them by ``tool_call_id``."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id (the id of the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -304,6 +363,70 @@ class ResponseFormat(BaseModel):
         return json.dumps(self.json_schema.schema_ if self.json_schema else {"type": "object"})
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(BaseModel):
+    """OpenAI ``tools[].function``. ``parameters``: a JSON schema of an object (None: no
+    arguments schema, any object). ``strict``: true or null (default): the arguments are
+    generated under the schema, and a schema keyword the grammar backend cannot enforce is
+    refused (400); false: any JSON object is generated, the schema only informs the model."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    strict: bool | None = None  # before parameters: its validator reads it
+    parameters: dict[str, Any] | None = None
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _schema_type(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(f"parameters must be a JSON schema object (got {_json_type(v)})")
+        if isinstance(v, dict):
+            check_json_depth(v, "parameters")
+        return v
+
+    @field_validator("parameters", mode="after")
+    @classmethod
+    def _schema(cls, v: dict | None, info: ValidationInfo) -> dict | None:
+        if v is None:
+            return v
+        if v.get("type", "object") != "object":
+            raise ValueError(f"parameters must be a JSON schema of type 'object' (got type {v['type']!r})")
+        try:
+            check_grammar("json_schema", json.dumps(v), refuse_unenforced=info.data.get("strict") is not False)
+        except ValueError as exc:
+            raise ValueError(f"parameters is not a usable JSON schema: {exc}") from None
+        return v
+
+    def arguments_schema(self) -> dict[str, Any]:
+        """The schema generated arguments follow (see ``strict``)."""
+        if self.parameters is None or self.strict is False:
+            return {"type": "object"}
+        return self.parameters
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: call exactly this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -311,7 +434,9 @@ class ChatCompletionRequest(_OpenAIBase):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: ToolChoice | None = None  # before: its validator reads tools
+    parallel_tool_calls: bool | None = None
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -320,6 +445,30 @@ class ChatCompletionRequest(_OpenAIBase):
         recursion failed, and the 400 named ``messages``)."""
         if isinstance(v, list):
             check_json_depth(v, "tools")
+        return v
+
+    @field_validator("tools", mode="after")
+    @classmethod
+    def _distinct_names(cls, v: list[Tool] | None) -> list[Tool] | None:
+        check_tools(v)
+        return v
+
+    @field_validator("tool_choice", mode="after")
+    @classmethod
+    def _choice_needs_tools(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        check_tool_choice(v, info.data.get("tools"))
+        return v
+
+    @field_validator("messages", mode="after")
+    @classmethod
+    def _answers_known_calls(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        """As OpenAI: a tool message answers a call of an earlier assistant message."""
+        ids: set[str] = set()
+        for i, msg in enumerate(v):
+            ids.update(c.id for c in msg.tool_calls or ())
+            if msg.role == "tool" and msg.tool_call_id not in ids:
+                raise ValueError(f"message {i} (role 'tool') answers tool_call_id {msg.tool_call_id!r}, "
+                                 "which no earlier assistant message's tool_calls has")
         return v
 
     @model_validator(mode="after")
@@ -332,10 +481,33 @@ class ChatCompletionRequest(_OpenAIBase):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages for the chat template; ``developer`` is rendered as ``system``."""
-        out = []
-        for msg in self.messages:
-            role = "system" if msg.role == "developer" else msg.role
-            out.append({"role": role, "content": msg.text()})
-        return out
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the output is read for tool calls (tools given, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @model_validator(mode="after")
+    def _one_output_grammar(self) -> ChatCompletionRequest:
+        if self.calls_tools and any(getattr(self, kind) is not None for kind in GRAMMAR_KINDS):
+            raise ValueError("tools (unless tool_choice is 'none') constrain the output with their own grammar: "
+                             "give response_format / regex / json_schema / ebnf / structural_tag without them")
+        return self
+
+
+def check_tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> None:
+    """Raises ValueError (-> 400 naming ``tool_choice``, as OpenAI) for "required" or a
+    named function without ``tools``, or a named function that is not among them."""
+    if choice in (None, "none", "auto"):
+        return
+    if not tools:
+        raise ValueError("tool_choice 'required' or a named function is only allowed when tools are given")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+        raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+
+
+def check_tools(tools: list[Tool] | None) -> None:
+    """Raises ValueError (-> 400 naming ``tools``) for two functions of one name."""
+    names = [t.function.name for t in tools or ()]
+    if len(set(names)) != len(names):
+        raise ValueError("tools name a function more than once: " + ", ".join(sorted({n for n in names
+                                                                                        if names.count(n) > 1})))

@@ -33,9 +33,10 @@ import msgspec
 from radixlm.runtime import messages as m
 from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.text.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.text.tool_parsers import get_parser
 
 __all__ = ["TokenizerManager", "GenInput", "Generation", "SampleChunk", "InvalidRequest", "SchedulerDied",
-           "QueueFull", "Ticket"]
+           "QueueFull", "Ticket", "check_unicode_in"]
 
 logger = logging.getLogger("radixlm.tokenizer")
 LOG_TEXT_CHARS = 2000  # --log-requests logs at most this many characters of each text
@@ -60,8 +61,9 @@ def _check_unicode(text: str, field_name: str) -> None:
                              field_name) from exc
 
 
-def _check_unicode_in(value: object, field_name: str) -> None:
-    """``_check_unicode`` on every string inside ``value`` (decoded JSON: dicts, lists)."""
+def check_unicode_in(value: object, field_name: str) -> None:
+    """``_check_unicode`` on every string inside ``value`` (decoded JSON: dicts, lists).
+    Raises InvalidRequest naming ``field_name``."""
     stack = [value]
     while stack:
         node = stack.pop()
@@ -219,8 +221,10 @@ class Generation:
 class TokenizerManager:
     def __init__(self, tokenizer, ready: m.SchedulerReady, send: MsgSocket, recv: MsgSocket,
                  model_name: str, log_requests: bool = False, max_running_requests: int = 64,
-                 max_queued_requests: int | None = None) -> None:
+                 max_queued_requests: int | None = None, tool_call_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
+        # the format of tool calls (runtime/text/tool_parsers.py); "auto": from the chat template
+        self.tool_format = get_parser(tool_call_parser, getattr(tokenizer, "chat_template", None))
         self.ready = ready
         self.send = send
         self.recv = recv
@@ -288,8 +292,8 @@ class TokenizerManager:
                             tools: list[dict] | None = None) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
-        _check_unicode_in(messages, "messages")  # else the tokenizer's own TypeError text
-        _check_unicode_in(tools, "tools")
+        check_unicode_in(messages, "messages")  # else the tokenizer's own TypeError text
+        check_unicode_in(tools, "tools")
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt,

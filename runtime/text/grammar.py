@@ -1,7 +1,8 @@
 """Structured generation: regex / JSON-schema / EBNF grammars with xgrammar.
 
-A request carries at most one grammar (``SamplingParams.regex``, ``json_schema`` or
-``ebnf``; OpenAI ``response_format`` is translated into ``json_schema``). The pieces:
+A request carries at most one grammar (``SamplingParams.regex``, ``json_schema``, ``ebnf``
+or ``structural_tag``; OpenAI ``response_format`` is translated into ``json_schema``, chat
+``tools`` into a ``structural_tag``, see runtime/text/tool_parsers.py). The pieces:
 
 * ``check_grammar`` (tokenizer process, before the request is queued): parses the grammar
   with xgrammar (no tokenizer needed, milliseconds) so a bad one is an HTTP 400 carrying
@@ -33,6 +34,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import pydantic
 import torch
 import xgrammar as xgr
 
@@ -44,7 +46,7 @@ __all__ = [
     "grammar_of",
 ]
 
-GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 # JSON-schema keywords xgrammar 0.2 accepts but does not enforce (checked by hand on
 # violating inputs; see tests/runtime/text/test_grammar.py).
@@ -98,10 +100,10 @@ def _unenforced_keywords(node: Any, path: str = "#") -> Iterable[str]:
             yield from _unenforced_keywords(value, f"{path}/{i}")
 
 
-def check_grammar(kind: str, text: str) -> None:
+def check_grammar(kind: str, text: str, refuse_unenforced: bool = True) -> None:
     """Parse a grammar without a tokenizer. Raises ValueError with xgrammar's message if
-    it does not parse, or naming the keyword if a JSON schema uses one xgrammar would
-    silently drop."""
+    it does not parse, or (``refuse_unenforced``) naming the keyword if a JSON schema uses
+    one xgrammar would silently drop."""
     if kind == "json_schema":
         try:
             schema = json.loads(text)
@@ -112,7 +114,7 @@ def check_grammar(kind: str, text: str) -> None:
         if not isinstance(schema, dict | bool):
             raise ValueError("json_schema must be a JSON object (a JSON Schema)")
         check_json_depth(schema, "json_schema")
-        dropped = list(_unenforced_keywords(schema))
+        dropped = list(_unenforced_keywords(schema)) if refuse_unenforced else []
         if dropped:
             raise ValueError(
                 "json_schema uses keywords the grammar backend cannot enforce: "
@@ -124,9 +126,11 @@ def check_grammar(kind: str, text: str) -> None:
             xgr.Grammar.from_json_schema(text, any_whitespace=False)
         elif kind == "ebnf":
             xgr.Grammar.from_ebnf(text)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(text)
         else:
             raise ValueError(f"unknown grammar kind {kind!r}")
-    except RuntimeError as exc:  # xgrammar's parser errors
+    except (RuntimeError, pydantic.ValidationError) as exc:  # xgrammar's parser errors
         message = str(exc).strip().splitlines()[0]
         message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message)  # "[time] file.cc:94: " noise
         raise ValueError(f"{kind} does not compile: {message}") from None
@@ -153,6 +157,8 @@ class GrammarCache:
             return self._compiler.compile_regex(text)
         if kind == "json_schema":
             return self._compiler.compile_json_schema(text, any_whitespace=False)
+        if kind == "structural_tag":
+            return self._compiler.compile_structural_tag(text)
         return self._compiler.compile_grammar(text)
 
     def get(self, key: tuple[str, str]) -> Future:

@@ -26,8 +26,10 @@ from radixlm.frontend import (
 )
 from radixlm.frontend.backend import Prompt
 
-# The dsl_server's flags (conftest.py; the e2e launcher adds --debug-invariants).
-FLAGS = dict(chunked_prefill_size=512, max_total_tokens=8192, debug_invariants=True, log_level="warning")
+# The dsl_server's flags (conftest.py; the e2e launcher adds --debug-invariants and float32
+# weights, --weight-dtype model).
+FLAGS = dict(chunked_prefill_size=512, max_total_tokens=8192, debug_invariants=True, log_level="warning",
+             weight_dtype="model")
 THREADS = ("radixlm-scheduler", "radixlm-engine-loop")
 
 

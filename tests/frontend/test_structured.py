@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from radixlm.frontend import assistant, function, gen, user
+from radixlm.frontend import assistant, function, gen, system, user
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 PERSON = {
@@ -90,3 +90,35 @@ def test_a_regex_in_the_grammar_compilers_dialect_is_not_refused_by_the_client(e
         s += assistant(gen("year", max_tokens=8, regex=r"(?<year>[12][0-9]{3})"))
 
     assert re.fullmatch(r"[12][0-9]{3}", year.run(temperature=0, backend=endpoint)["year"])
+
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+    "additionalProperties": False}}}
+
+
+@function
+def calculator(s, question):
+    s += system("You can call add(a, b) to add two integers: " + json.dumps(ADD_TOOL))
+    s += user(question)
+    s += assistant(gen("calls", max_tokens=64, tools=[ADD_TOOL], tool_choice="required", parallel_tool_calls=False))
+
+
+def test_gen_with_tools_returns_parsed_calls(endpoint):
+    """``gen(tools=...)``: the variable holds the calls the server parsed (arguments
+    decoded, under the tool's schema), the state's text the call as the model wrote it."""
+    states = calculator.run_batch([{"question": f"What is {i} plus {i + 7}?"} for i in range(4)], backend=endpoint,
+                                  temperature=0.7)
+    for state in states:
+        (call,) = state["calls"]
+        assert call["name"] == "add" and call["id"].startswith("call_")
+        jsonschema.validate(call["arguments"], ADD_TOOL["function"]["parameters"])
+        assert f'"arguments": {json.dumps(call["arguments"])}' in state.messages()[-1]["content"]
+        assert state.get_meta_info("calls")["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_gen_with_tools_refuses_other_constraints_and_the_openai_backend(openai_backend):
+    with pytest.raises(ValueError, match="tools"):
+        gen("x", tools=[ADD_TOOL], regex="a+")
+    with pytest.raises(NotImplementedError, match="native API"):
+        calculator.run(question="What is 1 plus 2?", backend=openai_backend)
