@@ -399,7 +399,9 @@ class FunctionDefinition(BaseModel):
             check_grammar("json_schema", json.dumps(v), refuse_unenforced=info.data.get("strict") is not False)
         except ValueError as exc:
             raise ValueError(f"parameters is not a usable JSON schema: {exc}") from None
-        return v
+        # A schema without "type" ({} declares a function without parameters) still describes
+        # an object: untyped, the grammar would let the arguments be any JSON value.
+        return v if "type" in v else {**v, "type": "object"}
 
     def arguments_schema(self) -> dict[str, Any]:
         """The schema generated arguments follow (see ``strict``)."""

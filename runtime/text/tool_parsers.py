@@ -69,6 +69,9 @@ _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:argume
 _DECODER = json.JSONDecoder()
 
 
+_LATIN1_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -162,7 +165,10 @@ class ToolCallFormat:
     def _schema(schema: Any) -> GrammarFormat:
         """The grammar of arguments following ``schema``. Raises RuntimeError (xgrammar's)
         if the schema does not compile."""
-        return GrammarFormat(grammar=str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
+        text = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        # The printed grammar writes a Latin-1 character as \xHH, which the EBNF parser reads
+        # greedily ("\xe4d" as U+0E4D): rewrite each unescaped \xHH as the fixed-width \u00HH.
+        return GrammarFormat(grammar=_LATIN1_ESCAPE.sub(r"\1\\u00\2", text))
 
 
 class HermesFormat(ToolCallFormat):

@@ -13,6 +13,7 @@ import xgrammar as xgr
 from radixlm.runtime.text.tool_parsers import (
     TOOL_CALL_PARSERS,
     CallText,
+    ToolCallFormat,
     detect_parser,
     get_parser,
 )
@@ -169,3 +170,28 @@ def test_detect_parser_from_the_chat_template(template, parser):
 def test_unknown_parser_is_a_value_error():
     with pytest.raises(ValueError, match="unknown tool call parser"):
         get_parser("pythonic")
+
+
+def test_argument_grammar_keeps_non_ascii_names_and_values():
+    """Latin-1 characters in property names and enum values survive the grammar's text
+    form: "städt" is not read back as "st" + U+0E4D + "t" (xgrammar prints \\xe4, which
+    its parser reads greedily when a hex digit follows)."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "object", "properties": {"städt": {"type": "string", "enum": ["München", "東京"]},
+                                               "gebäude": {"type": "integer"}}, "required": ["städt"]}
+    grammar = xgr.Grammar.from_ebnf(ToolCallFormat._schema(schema).grammar)
+    assert _is_grammar_accept_string(grammar, '{"städt": "München"}')
+    assert _is_grammar_accept_string(grammar, '{"städt": "東京", "gebäude": 3}')
+    assert not _is_grammar_accept_string(grammar, '{"st\u0e4dt": "München"}')
+    assert not _is_grammar_accept_string(grammar, '{"städt": "Berlin"}')
+
+
+def test_empty_parameters_schema_means_an_object():
+    """``"parameters": {}`` (a function without parameters) constrains the arguments to an
+    object, as a missing ``parameters`` does, not to any JSON value."""
+    from radixlm.runtime.server.protocol import FunctionDefinition
+
+    assert FunctionDefinition(name="f", parameters={}).arguments_schema() == {"type": "object"}
+    props = {"properties": {"x": {"type": "integer"}}}
+    assert FunctionDefinition(name="f", parameters=props).arguments_schema() == {**props, "type": "object"}
