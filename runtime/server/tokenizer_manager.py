@@ -285,6 +285,12 @@ class TokenizerManager:
                 if not fut.done():
                     fut.set_result(msg)
 
+    def replica_stats(self) -> list[m.SchedulerStats | None]:
+        """Each replica's last stats, by dp rank (one entry without data parallelism)."""
+        if self.num_replicas == 1:
+            return [self.stats]
+        return [self._replica_stats.get(i) for i in range(self.num_replicas)]
+
     def fail_all(self, reason: str) -> None:
         """The scheduler died: wake every waiting request with an error."""
         self.dead = reason

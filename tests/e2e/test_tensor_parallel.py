@@ -23,26 +23,6 @@ NEW_TOKENS = 16
 TOL = 1e-4
 
 
-def save_tiny(arch: str, out) -> str:
-    """A 2-layer random Llama / Qwen2 (hidden 64, 4 heads, 2 KV heads, MLP 96, vocabulary
-    256: every dimension TP 2 splits evenly) saved in ``out``."""
-    import torch
-    import transformers
-
-    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[arch]
-    config = getattr(transformers, config_cls)(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(out)
-    return str(out)
-
-
 def _prompts(vocab: int, n: int = 3, length: int = 40) -> list[list[int]]:
     rng = random.Random(0)
     return [rng.choices(range(3, vocab), k=length) for _ in range(n)]
@@ -90,8 +70,8 @@ def _tp_post(srv):
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, smollm2_dir) -> str:
-    return save_tiny("llama", tmp_path_factory.mktemp("tp-llama"))
+def tiny_llama(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +109,8 @@ def _story(s):
 
 
 @pytest.mark.slow
-def test_tp2_qwen2_matches_tp1(server_factory, tmp_path_factory, smollm2_dir) -> None:
-    model = save_tiny("qwen2", tmp_path_factory.mktemp("tp-qwen2"))
+def test_tp2_qwen2_matches_tp1(server_factory, tiny_model_dir, smollm2_dir) -> None:
+    model = tiny_model_dir("qwen2")
     prompts = _prompts(256)
     with server_factory(model_path=model, tokenizer_path=smollm2_dir, tp_size=2, dtype="float32",
                         max_total_tokens=4096, max_running_requests=4) as srv:
@@ -162,3 +142,11 @@ def test_tp3_smollm2_matches_tp1_with_openai_and_dsl(server_factory, smollm2_dir
         assert chat.choices[0].message.content == ref_chat
         assert _story.run(backend=RuntimeEndpoint(srv.url))["a"] == ref_story
         idle_invariants(srv)
+
+
+def test_a_dead_rank_stops_the_server(tp2_server, kill_model_process) -> None:
+    """Last in this module: SIGKILL one of the two ranks; the server exits non-zero (no
+    hang), naming the process that died."""
+    count, log = kill_model_process(tp2_server)
+    assert count == 2
+    assert "exited with code -9" in log
