@@ -85,7 +85,7 @@ class ModelRunner:
         self.args = args
         self.placement = placement = placement or RankPlacement()
         self.device = resolve_device(args.device)
-        if self.device.type == "cuda" and placement.gpu_id:
+        if self.device.type == "cuda" and (placement.gpu_id or placement.tp_size > 1):  # this rank's GPU
             self.device = torch.device("cuda", placement.gpu_id)
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":  # the forward pass runs here: every core the process may use

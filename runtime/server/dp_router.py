@@ -28,10 +28,10 @@ from typing import Any
 
 from radixlm.radix import RadixTree
 from radixlm.runtime import messages as m
+from radixlm.runtime.server_args import DP_ROUTING_POLICIES
 
 __all__ = ["DP_ROUTING_POLICIES", "DPRouter"]
 
-DP_ROUTING_POLICIES = ("cache_aware", "round_robin")
 CACHE_THRESHOLD = 0.5  # sgl-router's defaults
 BALANCE_ABS = 32
 BALANCE_REL = 1.0001

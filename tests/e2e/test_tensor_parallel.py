@@ -129,9 +129,9 @@ def test_tp3_smollm2_matches_tp1_with_openai_and_dsl(server_factory, smollm2_dir
     with LocalServer(local_args) as local:
         ref_story = local.post("/generate", {"text": "Once upon a time,", "sampling_params": {
             "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})["text"]
-        ref_chat = local.post("/v1/chat/completions", {
-            "model": "default", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 12, "temperature": 0})["choices"][0]["message"]["content"]
+        chat_ids = local.tm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        ref_chat = local.post("/generate", {"input_ids": chat_ids, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 12}})["text"]
     with server_factory(model_path=smollm2_dir, tp_size=3, dtype="float32", max_total_tokens=4096,
                         max_running_requests=4) as srv:
         _assert_same(_served(_tp_post(srv), prompts), ref)
