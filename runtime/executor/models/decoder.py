@@ -151,7 +151,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = pool.rotate_qk(apply_rope(q, *cos_sin), apply_rope(k, *cos_sin))
         o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool, kv_stored=kv_stored)  # [T, H, D]
-        return self.project_out(o.reshape(qkv.shape[0], -1), cos_sin is None)  # [T, H*D] -> [T, E]
+        out = _linear(self.o_proj, o.reshape(qkv.shape[0], -1), cos_sin is None)  # [T, H*D] -> [T, E]
+        return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
 
     def project_out(self, o: torch.Tensor, fused: bool) -> torch.Tensor:
         """o_proj: o [T, H * D] -> [T, E], summed over the ranks with tensor parallelism
@@ -220,11 +221,8 @@ class GatedMLP(nn.Module):
         if self.fused:
             return self.down(_linear(self.gate_up_proj, x, True))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
-        return self._reduce(self.down_proj(self.act(gate) * up))  # [T, E]
-
-    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
-        """The row-parallel down projection's sum over the ranks (identity without TP)."""
-        return out if self.tp is None else self.tp.all_reduce(out)
+        out = self.down_proj(self.act(gate) * up)  # [T, E]
+        return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel: summed over the ranks
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The fused path after gate_up: [T, 2F] -> down(silu(gate) * up) [T, E]; at batch 1
@@ -232,8 +230,10 @@ class GatedMLP(nn.Module):
         if _gemv_ok(self.down_proj, gate_up):
             from radixlm.kernels.gemv import silu_mul_gemv
 
-            return self._reduce(silu_mul_gemv(gate_up, self.down_proj.weight))
-        return self._reduce(_linear(self.down_proj, _fused_ops().silu_and_mul(gate_up), True))
+            out = silu_mul_gemv(gate_up, self.down_proj.weight)
+        else:
+            out = _linear(self.down_proj, _fused_ops().silu_and_mul(gate_up), True)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
