@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import torch
 
 from radixlm.frontend import RuntimeEndpoint, function, gen
 from radixlm.runtime.engine import LocalServer
@@ -150,3 +151,21 @@ def test_a_dead_rank_stops_the_server(tp2_server, kill_model_process) -> None:
     count, log = kill_model_process(tp2_server)
     assert count == 2
     assert "exited with code -9" in log
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_on_two_gpus_with_cuda_graphs(server_factory, tiny_llama, smollm2_dir) -> None:
+    """NCCL with the decode, extend and piecewise CUDA graphs capturing the collectives:
+    the same greedy tokens as one GPU (float32; logprobs within 1e-3: NCCL's sums are
+    ordered differently)."""
+    prompts = _prompts(256)
+    flags = dict(model_path=tiny_llama, tokenizer_path=smollm2_dir, device="cuda", dtype="float32",
+                 max_total_tokens=4096, max_running_requests=4)
+    with server_factory(**flags) as srv:
+        ref = _served(_tp_post(srv), prompts)
+    with server_factory(tp_size=2, **flags) as srv:
+        got = _served(_tp_post(srv), prompts)
+    for a, b in zip(got, ref, strict=True):
+        assert a["tokens"] == b["tokens"] and a["cached"] == b["cached"]
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < 1e-3
