@@ -26,8 +26,8 @@ CONFIGS = {  # name -> (dp size, routing)
     "dp2-cache-aware": (2, "cache_aware"),
     "dp2-round-robin": (2, "round_robin"),
 }
-FIGURES = ("output_throughput", "total_token_throughput", "prefix_cache_hit_rate", "median_ttft_ms",
-           "completed", "failed", "duration_s")
+FIGURES = ("output_throughput", "input_throughput", "prefix_cache_hit_rate", "median_ttft_ms", "median_tpot_ms",
+           "completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens")
 
 
 def run(name: str, args: argparse.Namespace, cores: int) -> dict:
