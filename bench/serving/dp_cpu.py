@@ -32,10 +32,11 @@ FIGURES = ("output_throughput", "input_throughput", "prefix_cache_hit_rate", "me
 
 def run(name: str, args: argparse.Namespace, cores: int) -> dict:
     dp, routing = CONFIGS[name]
-    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // dp))  # the servers' processes inherit it
+    threads = args.threads_per_replica or max(1, cores // dp)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the servers' processes inherit it
     flags = ["--dp-size", str(dp), "--dp-routing", routing, "--max-running-requests", str(args.concurrency),
              "--log-level", "warning"]
-    jsonl = args.out.with_name(f"{args.out.stem}_{name}.jsonl")
+    jsonl = args.out.with_name(f"{args.out.stem}_{name}_{threads}t.jsonl")
     with ServerProcess.launch(flags) as srv:
         bench_serving.main(["--base-url", srv.url, "--backend", "radixlm", "--dataset-name", "sharegpt-multiturn",
                             "--num-prompts", str(args.conversations), "--multiturn-max-turns", str(args.turns),
@@ -43,7 +44,7 @@ def run(name: str, args: argparse.Namespace, cores: int) -> dict:
                             "--request-rate", "inf", "--max-concurrency", str(args.concurrency), "--seed", "0",
                             "--disable-tqdm", "--output-file", str(jsonl), "--tag", name])
     record = [json.loads(line) for line in open(jsonl)][-1]
-    return {"threads_per_replica": max(1, cores // dp), **{k: record.get(k) for k in FIGURES}}
+    return {"threads_per_replica": threads, **{k: record.get(k) for k in FIGURES}}
 
 
 def main() -> None:
@@ -52,6 +53,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4, help="turns per conversation at most")
     p.add_argument("--output-len", type=int, default=32, help="reply tokens per turn")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    p.add_argument("--threads-per-replica", type=int, default=0,
+                   help="torch threads of each replica (default: the cores / replicas)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "dp_cpu.json")
     args = p.parse_args()
