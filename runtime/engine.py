@@ -65,9 +65,13 @@ class LocalServer:
     """The scheduler and tokenizer manager of a server for ``args``, in this process.
     ``error(status, message)`` builds the exception request errors raise. Blocks until the
     model is loaded; raises RuntimeError if the scheduler fails to start (its error
-    message) or is not ready within ``args.startup_timeout`` seconds."""
+    message) or is not ready within ``args.startup_timeout`` seconds, ValueError for tensor
+    or data parallelism (several processes: ``launch_server``)."""
 
     def __init__(self, args: ServerArgs, error: Callable[[int, str], Exception] = RequestError) -> None:
+        if args.tp_size > 1 or args.dp_size > 1:
+            raise ValueError("an in-process server runs one model process: --tp-size / --dp-size > 1 "
+                             "need `radixlm launch_server`")
         self.args = args
         self.error = error
         self.model_path = args.model_path or str(default_gguf_path())

@@ -3,12 +3,20 @@
     python -m radixlm.runtime.launch_server --port 30000
     radixlm launch_server --model-path path/to/model.gguf
 
-Start order: bind the ZeroMQ sockets, spawn the scheduler, wait until it reports ready
-(model loaded, KV pool sized) or fails, load the tokenizer, then serve HTTP. A watchdog
-checks the scheduler every 0.5 s: if it dies, in-flight requests get an error, /health
-turns 503 and the server exits with status 1 instead of hanging. SIGINT/SIGTERM stop
-accepting requests, let uvicorn finish the in-flight ones (for up to
-GRACEFUL_SHUTDOWN_S), then stop the scheduler; the exit status is 0.
+Start order: bind the ZeroMQ sockets, spawn the model processes, wait until every
+scheduler reports ready (model loaded, KV pool sized) or one fails, load the tokenizer,
+then serve HTTP. A watchdog checks the model processes every 0.5 s: if one dies,
+in-flight requests get an error, /health turns 503, the others are killed and the server
+exits with status 1 instead of hanging. SIGINT/SIGTERM stop accepting requests, let
+uvicorn finish the in-flight ones (for up to GRACEFUL_SHUTDOWN_S), then stop the model
+processes; the exit status is 0.
+
+Process tree (``--dp-size`` M, ``--tp-size`` N; docs/ARCHITECTURE.md "Processes"):
+
+    this process (HTTP, tokenizer, DP router)
+     |-- replica 0: scheduler = TP rank 0 (scheduler.py), TP ranks 1..N-1 (tensor_parallel.py)
+     |-- ...
+     `-- replica M-1: the same
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,8 +38,11 @@ import zmq
 
 from radixlm.runtime import messages as m
 from radixlm.runtime.executor.model_loader import default_gguf_path
+from radixlm.runtime.executor.parallel import RankPlacement
 from radixlm.runtime.ipc import MsgSocket, new_ipc_address
 from radixlm.runtime.scheduler.scheduler import freeze_startup_objects, run_scheduler_process
+from radixlm.runtime.scheduler.tensor_parallel import run_tp_worker_process
+from radixlm.runtime.server.dp_router import DPRouter
 from radixlm.runtime.server.http_server import create_app
 from radixlm.runtime.server.metrics import Metrics
 from radixlm.runtime.server.tokenizer_manager import TokenizerManager
@@ -72,17 +84,21 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-async def wait_ready(recv: MsgSocket, gone: Callable[[], str | None], timeout: float) -> m.SchedulerReady:
-    """The scheduler's ``SchedulerReady``. ``gone()`` says why the scheduler is no longer
-    running (None while it is). Raises SchedulerStartError on its ``SchedulerError``, its
-    end, or after ``timeout`` seconds."""
+async def wait_ready(recv: MsgSocket, gone: Callable[[], str | None], timeout: float,
+                     count: int = 1) -> m.SchedulerReady:
+    """The schedulers' ``SchedulerReady`` (the first of ``count``, once all arrived).
+    ``gone()`` says why a model process is no longer running (None while all are). Raises
+    SchedulerStartError on a ``SchedulerError``, a process's end, or after ``timeout`` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    ready: list[m.SchedulerReady] = []
     while loop.time() < deadline:
         if await recv.sock.poll(500):
             msg = await recv.arecv()
             if isinstance(msg, m.SchedulerReady):
-                return msg
+                ready.append(msg)
+                if len(ready) == count:
+                    return ready[0]
             if isinstance(msg, m.SchedulerError):
                 raise SchedulerStartError(msg.message)
         elif (reason := gone()) is not None:
@@ -90,7 +106,7 @@ async def wait_ready(recv: MsgSocket, gone: Callable[[], str | None], timeout: f
     raise SchedulerStartError(f"scheduler not ready after {timeout:.0f} s")
 
 
-def make_tokenizer_manager(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket,
+def make_tokenizer_manager(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket | DPRouter,
                            recv: MsgSocket) -> TokenizerManager:
     """The tokenizer side of a started scheduler (loads the model's tokenizer)."""
     from transformers import AutoTokenizer
@@ -101,11 +117,18 @@ def make_tokenizer_manager(args: ServerArgs, ready: m.SchedulerReady, send: MsgS
                             max_queued_requests=args.max_queued_requests, tool_call_parser=args.tool_call_parser)
 
 
-async def _watchdog(proc: mp.Process, tm: TokenizerManager, server: uvicorn.Server, state: dict) -> None:
+def _dead(procs: list[mp.Process]) -> str | None:
+    """Why a model process is no longer running (None while all are)."""
+    for proc in procs:
+        if not proc.is_alive():
+            return f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+    return None
+
+
+async def _watchdog(procs: list[mp.Process], tm: TokenizerManager, server: uvicorn.Server, state: dict) -> None:
     while not server.should_exit:
         await asyncio.sleep(0.5)
-        if not proc.is_alive():
-            reason = f"scheduler process exited with code {proc.exitcode}"
+        if (reason := _dead(procs)) is not None:
             logger.error("%s; shutting down", reason)
             tm.fail_all(reason)
             state["exit_code"] = 1
@@ -114,29 +137,61 @@ async def _watchdog(proc: mp.Process, tm: TokenizerManager, server: uvicorn.Serv
             return
 
 
+def _spawn(args: ServerArgs, from_sched: str) -> tuple[list[MsgSocket], list[mp.Process]]:
+    """Start every model process: per replica its scheduler (TP rank 0) and TP ranks
+    1..N-1. Returns the sockets to the schedulers (by dp rank) and the processes."""
+    ctx, socks, procs, tp = mp.get_context("spawn"), [], [], args.tp_size
+    for dp_rank in range(args.dp_size):
+        to_sched = new_ipc_address(f"to-sched-{dp_rank}")
+        socks.append(MsgSocket(zmq.PUSH, to_sched, bind=True, asyncio=True))
+        steps = tuple(new_ipc_address(f"tp-steps-{dp_rank}-{r}") for r in range(1, tp))
+        addr = _dist_addr(args.dist_init_addr, dp_rank) if tp > 1 else ""
+        suffix = f"-dp{dp_rank}" if args.dp_size > 1 else ""
+        leader = RankPlacement(0, tp, addr, dp_rank * tp, steps)
+        procs.append(ctx.Process(target=run_scheduler_process, name=f"radixlm-scheduler{suffix}", daemon=True,
+                                 args=(args, to_sched, from_sched, os.getpid(), leader, dp_rank)))
+        for r in range(1, tp):
+            placement = RankPlacement(r, tp, addr, dp_rank * tp + r, (steps[r - 1],))
+            procs.append(ctx.Process(target=run_tp_worker_process, name=f"radixlm-tp{r}{suffix}", daemon=True,
+                                     args=(args, placement, os.getpid())))
+    for proc in procs:
+        proc.start()
+    return socks, procs
+
+
+def _dist_addr(base: str | None, dp_rank: int) -> str:
+    """The rendezvous of replica ``dp_rank``: ``--dist-init-addr`` with its port + dp_rank,
+    or a free loopback port."""
+    if base is None:
+        with socket.socket() as sock:  # a free loopback port
+            sock.bind(("127.0.0.1", 0))
+            return f"127.0.0.1:{sock.getsockname()[1]}"
+    host, port = base.rsplit(":", 1)
+    return f"{host}:{int(port) + dp_rank}"
+
+
 async def _serve(args: ServerArgs) -> int:
-    to_sched, from_sched = new_ipc_address("to-sched"), new_ipc_address("from-sched")
-    send = MsgSocket(zmq.PUSH, to_sched, bind=True, asyncio=True)
+    from_sched = new_ipc_address("from-sched")
     recv = MsgSocket(zmq.PULL, from_sched, bind=True, asyncio=True)
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=run_scheduler_process, args=(args, to_sched, from_sched, os.getpid()),
-                       name="radixlm-scheduler", daemon=True)
-    proc.start()
+    socks, procs = _spawn(args, from_sched)
     try:
-        ready = await wait_ready(recv, lambda: None if proc.is_alive() else
-                                 f"scheduler exited with code {proc.exitcode}", args.startup_timeout)
-        return await _run_http(args, ready, send, recv, proc)
+        ready = await wait_ready(recv, lambda: _dead(procs), args.startup_timeout, args.dp_size)
+        send = socks[0] if args.dp_size == 1 else DPRouter(socks, args.dp_routing, ready.max_total_tokens,
+                                                           ready.page_size)
+        return await _run_http(args, ready, send, recv, procs)
     except SchedulerStartError as exc:
         logger.error("server failed to start: %s", exc)
         return 1
     finally:
-        _stop(proc)
-        send.close()
+        for proc in procs:
+            _stop(proc)
+        for sock in socks:
+            sock.close()
         recv.close()
 
 
-async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, recv: MsgSocket,
-                    proc: mp.Process) -> int:
+async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket | DPRouter, recv: MsgSocket,
+                    procs: list[mp.Process]) -> int:
     tm = make_tokenizer_manager(args, ready, send, recv)
     freeze_startup_objects()  # the HTTP process's imports and tokenizer, as the scheduler's
     name = tm.model_name
@@ -146,9 +201,10 @@ async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, 
                             loop=loop_kind, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _Server(config)
     state = {"exit_code": 0}
-    tasks = [asyncio.ensure_future(tm.recv_loop()), asyncio.ensure_future(_watchdog(proc, tm, server, state))]
-    logger.info("serving %s on http://%s:%d (KV capacity %d tokens, %.1f MiB, page size %d)",
-                name, args.host, args.port, ready.max_total_tokens, ready.kv_bytes / 2**20, ready.page_size)
+    tasks = [asyncio.ensure_future(tm.recv_loop()), asyncio.ensure_future(_watchdog(procs, tm, server, state))]
+    logger.info("serving %s on http://%s:%d (KV capacity %d tokens, %.1f MiB, page size %d; tp %d, dp %d)",
+                name, args.host, args.port, ready.max_total_tokens, ready.kv_bytes / 2**20, ready.page_size,
+                args.tp_size, args.dp_size)
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without --api-key: anyone who reaches the port can use it", args.host)
     try:
@@ -163,8 +219,8 @@ async def _run_http(args: ServerArgs, ready: m.SchedulerReady, send: MsgSocket, 
 
 
 def _stop(proc: mp.Process) -> None:
-    """The scheduler keeps no state worth saving and ignores SIGTERM (so a signal to the
-    whole process group drains HTTP first): stop it with SIGKILL."""
+    """Model processes keep no state worth saving and ignore SIGTERM (so a signal to the
+    whole process group drains HTTP first): stop them with SIGKILL."""
     if proc.is_alive():
         proc.kill()
         proc.join(10)

@@ -9,6 +9,9 @@ travels with it and decoding never executes arbitrary code (no pickle).
 
 A request has one id (``rid``) end to end; with ``n > 1`` the tokenizer process sends
 one GenerateReq per sample (``rid-0 .. rid-(n-1)``).
+
+With tensor parallelism the scheduler (rank 0) also sends every step it runs to the other
+ranks of its replica (``TPStep``, scheduler/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ __all__ = [
     "SchedulerStats",
     "SchedulerReady",
     "SchedulerError",
+    "TPNewReq",
+    "TPItem",
+    "TPStep",
     "encode",
     "decode",
 ]
@@ -167,6 +173,7 @@ class HiCacheStats(msgspec.Struct, kw_only=True):
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     """Sent after scheduler steps (rate-limited) for /metrics."""
 
+    dp_rank: int = 0  # the replica that sent it (data parallelism)
     num_running: int
     num_waiting: int
     kv_total_pages: int
@@ -216,6 +223,44 @@ class SchedulerError(msgspec.Struct, tag=True):
     message: str
 
 
+class TPNewReq(msgspec.Struct, array_like=True, gc=False):
+    """A request the other tensor parallel ranks have not seen: what their copy of it needs."""
+
+    rid: str
+    prompt_ids: list[int]
+    return_logprob: bool
+    logprob_start_len: int
+
+
+class TPItem(msgspec.Struct, array_like=True, gc=False):
+    """One ``ScheduleItem`` for the other ranks, with the request's state that the forward
+    pass reads: output tokens the host has that the rank has not seen yet, tokens in
+    flight, the page table, and how many prompt logprobs rank 0 has recorded (which rows
+    need logits)."""
+
+    rid: str
+    start: int
+    num_tokens: int
+    samples: bool
+    new_output_ids: list[int]
+    num_inflight: int
+    pages: list[int]
+    num_prompt_logprobs: int = 0
+
+
+class TPStep(msgspec.Struct, tag=True, kw_only=True, gc=False):
+    """Rank 0's step, run by every other rank of its replica in the same order: swaps
+    first (``ScheduleDecision.swap_out`` / ``swap_in``: rid, pages[, first page]), then the
+    forward pass over ``items`` (none: swaps only). ``done``: requests gone since the last step."""
+
+    new_reqs: list[TPNewReq] = []
+    items: list[TPItem] = []
+    decode_steps: int = 1
+    swap_out: list[tuple[str, list[int]]] = []
+    swap_in: list[tuple[str, list[int], int]] = []
+    done: list[str] = []
+
+
 Message = (
     GenerateReq
     | AbortReq
@@ -227,6 +272,7 @@ Message = (
     | SchedulerStats
     | SchedulerReady
     | SchedulerError
+    | TPStep
 )
 
 _encoder = msgspec.msgpack.Encoder()

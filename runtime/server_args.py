@@ -36,6 +36,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")  # scheduler.planner
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")  # scheduler.waiting_order
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # scheduler.hicache
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # "auto" + text.tool_parsers
+DP_ROUTING_POLICIES = ("cache_aware", "round_robin")  # server.dp_router
 
 __all__ = ["ServerArgs"]
 
@@ -230,6 +231,22 @@ class ServerArgs:
         "overlap scheduling the next window is launched before this one's tokens are read). A step that holds a request with logprobs, a grammar, a penalty "
         "or a seed, and int4 / mixed KV caches, run one step at a time. 1: off.",
     )
+    tp_size: int = _opt(
+        1, "Tensor parallelism: ranks (processes; GPUs on CUDA) per replica, each holding 1/N of the "
+        "weights (attention heads, MLP width, vocabulary) and a KV pool of its heads; the scheduler "
+        "(rank 0) decides, every rank runs each step (torch.distributed: NCCL on CUDA, gloo on the "
+        "CPU). N must divide the attention heads and the MLP width, and divide or be a multiple of "
+        "the KV heads (KV heads are replicated when fewer than N).")
+    dp_size: int = _opt(
+        1, "Data parallelism: replicas, each a scheduler with its own radix cache and --tp-size ranks, "
+        "behind this one HTTP / tokenizer process, which routes each request (--dp-routing).")
+    dp_routing: str = _opt(
+        "cache_aware", "How requests are spread over --dp-size replicas: cache_aware (SGLang's router: "
+        "the replica already holding the longest prefix of the prompt, unless the loads are "
+        "imbalanced, then the least loaded) or round_robin.", DP_ROUTING_POLICIES)
+    dist_init_addr: str | None = _opt(
+        None, "host:port of the torch.distributed rendezvous of tensor parallel ranks (replica i "
+        "uses port + i). Default: a free local port per replica.")
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
     radix_eviction_policy: str = _opt(
         "lru",
@@ -418,6 +435,7 @@ class ServerArgs:
         if self.hicache_enabled and self.disable_radix_cache:
             raise ValueError("the hierarchical cache (--hicache-*) needs the radix cache; drop "
                              "--disable-radix-cache")
+        self._validate_parallel()
         if not 0 <= self.swap_space_gb < math.inf:
             raise ValueError("--swap-space-gb must be a finite number >= 0")
         if not 0 <= self.random_seed < 2**63:
@@ -448,6 +466,19 @@ class ServerArgs:
         self.importance_weight_values()  # raises on a malformed list
         if not 0.0 <= self.decode_reserve_min_ratio <= self.decode_reserve_ratio:
             raise ValueError("need 0 <= --decode-reserve-min-ratio <= --decode-reserve-ratio")
+
+    def _validate_parallel(self) -> None:
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ValueError("--tp-size and --dp-size must be >= 1")
+        if self.dp_routing not in DP_ROUTING_POLICIES:
+            raise ValueError(f"--dp-routing must be one of {', '.join(DP_ROUTING_POLICIES)}")
+        if self.dist_init_addr is not None and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.dist_init_addr):
+            raise ValueError("--dist-init-addr must be host:port")
+        if self.tp_size > 1:
+            if self.hicache_enabled:
+                raise ValueError("the hierarchical cache (--hicache-*) does not support --tp-size > 1 yet")
+            if self.kv_cache_dtype not in ("auto", "bf16", "fp16"):
+                raise ValueError("--tp-size > 1 takes float KV caches only (--kv-cache-dtype auto, bf16, fp16)")
 
     @property
     def sink_slots(self) -> int:

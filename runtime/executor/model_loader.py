@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,12 +260,23 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) for every tensor of every weight file, lazily."""
+def iter_safetensors(model_dir: str | Path, select: Callable[[str, tuple[int, ...]], Any] | None = None,
+                     stats: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) for every tensor of every weight file, lazily.
+    ``select(name, shape)``: the slices of the tensor to read (None: all of it); only
+    those bytes are read (tensor parallelism: ``CausalLM.checkpoint_slice``). ``stats``
+    gets ``bytes_read`` added (the yielded tensors' bytes)."""
     for path in _safetensors_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+                part = None
+                if select is not None:
+                    view = f.get_slice(name)
+                    part = select(name, tuple(view.get_shape()))
+                tensor = f.get_tensor(name) if part is None else view[part]
+                if stats is not None:
+                    stats["bytes_read"] = stats.get("bytes_read", 0) + tensor.numel() * tensor.element_size()
+                yield name, tensor
 
 
 def _model_class(config: Any) -> type[CausalLM]:
@@ -282,13 +293,16 @@ def load_model(
     device: torch.device | str = "cpu",
     attention_backend: AttentionBackend | str = "auto",
     load_format: str = "auto",
+    tp: Any = None,
 ) -> CausalLM:
     """Build our model for the HF directory ``model_dir`` and load its safetensors weights.
 
     Parameters are created on the meta device (no random init), materialised on
     ``device`` in ``dtype`` and filled from the checkpoint. Returns the model in eval
     mode without gradients; ``load_format="dummy"``: random weights instead, no checkpoint
-    read (``dummy_weights``). Raises ValueError for unsupported architectures.
+    read (``dummy_weights``). ``tp`` (a ``parallel.TPShard``): build and load only this
+    rank's slice of every sharded weight (bytes read: ``model.load_stats["bytes_read"]``).
+    Raises ValueError for unsupported architectures.
     """
     from transformers import AutoConfig
 
@@ -298,12 +312,14 @@ def load_model(
     if isinstance(attention_backend, str):
         attention_backend = create_attention_backend(attention_backend, device)
     with torch.device("meta"):
-        model = cls(config, attention_backend)
+        model = cls(config, attention_backend) if tp is None else cls(config, attention_backend, tp)
     model = model.to(resolve_dtype(dtype, device)).to_empty(device=device)
+    model.load_stats = {"bytes_read": 0}
     if load_format == "dummy":
-        dummy_weights(model)
+        dummy_weights(model, seed=0 if tp is None else tp.rank)
     else:
-        model.load_weights(iter_safetensors(model_dir))
+        select = None if tp is None else model.checkpoint_slice
+        model.load_weights(iter_safetensors(model_dir, select, model.load_stats))
     return model.eval().requires_grad_(False)
 
 

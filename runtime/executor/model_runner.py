@@ -44,6 +44,8 @@ from radixlm.runtime.executor.model_loader import (
     resolve_dtype,
     resolve_model_path,
 )
+from radixlm.runtime.executor.models.decoder import local_heads
+from radixlm.runtime.executor.parallel import RankPlacement, TPGroup
 from radixlm.runtime.executor.piecewise_cuda_graph import PiecewiseGraphs, pool_fits
 from radixlm.runtime.executor.sampling import (
     SampleResult,
@@ -73,16 +75,27 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, placement: RankPlacement | None = None) -> None:
+        """``placement``: this process's rank (tensor / data parallelism); None: the whole
+        model in this process. With tensor parallelism every rank builds a runner over its
+        slice of the model and its own KV pool (its kv heads, the same pages); rank 0
+        samples (``launch``), the others run the same steps (``follow``)."""
         from transformers import AutoTokenizer
 
         self.args = args
+        self.placement = placement = placement or RankPlacement()
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and (placement.gpu_id or placement.tp_size > 1):  # this rank's GPU
+            self.device = torch.device("cuda", placement.gpu_id)
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":  # the forward pass runs here: every core the process may use
             torch.set_num_threads(cpu_threads())
+        self.tp = (TPGroup(placement.tp_rank, placement.tp_size, placement.dist_init_addr, self.device)
+                   if placement.tp_size > 1 else None)
         self.model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.model = load_model(self.model_dir, self.dtype, self.device, args.attention_backend, args.load_format)
+        self.model = load_model(self.model_dir, self.dtype, self.device, args.attention_backend, args.load_format,
+                                tp=self.tp)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # before packing any weights
         self.weight_dtype = resolve_weight_dtype(args.weight_dtype, args.model_path, self.device)
         if self.weight_dtype[0] != "model":
@@ -98,6 +111,7 @@ class ModelRunner:
         self.page_size = args.page_size
         cfg = self.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_heads, self.num_kv_heads = local_heads(cfg, self.tp)  # this rank's (all without TP)
         scales = self._kv_scales()
         self.num_fp8_pages = (tiered_fp8_pages(args.kv_cache_dtype, args.mixed_window_pages,
                                                args.max_running_requests, args.max_prefill_tokens, self.page_size,
@@ -106,15 +120,17 @@ class ModelRunner:
         # Exact sink slots: one per distinct first token, so more than the vocabulary never helps.
         self.sink_slots = min(args.sink_slots, self.vocab_size)
         self.num_pages = self._size_pool()
-        self.pool = KVPool(self.num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+        if self.tp is not None:  # one page id names the same tokens on every rank
+            self.num_pages = self.tp.min_int(self.num_pages)
+        self.pool = KVPool(self.num_pages, self.page_size, cfg.num_hidden_layers, self.num_kv_heads,
                            self.head_dim, self.dtype, self.device, args.kv_cache_dtype, *scales,
                            num_fp8_pages=self.num_fp8_pages, window_pages=args.mixed_window_pages,
                            sink_slots=self.sink_slots)
         self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
         pool = self.pool
-        bf16_page = kv_page_bytes("bf16", self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
+        bf16_page = kv_page_bytes("bf16", self.dtype, cfg.num_hidden_layers, self.num_kv_heads,
                                   self.head_dim, self.page_size)
-        page = kv_page_bytes(args.kv_cache_dtype, self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
+        page = kv_page_bytes(args.kv_cache_dtype, self.dtype, cfg.num_hidden_layers, self.num_kv_heads,
                              self.head_dim, self.page_size)
         logger.info("KV pool: %d pages x %d tokens = %d tokens, %d bytes = %.1f MiB incl. %d bytes of "
                     "metadata (kv cache %s in %s, %d bytes/token = %.3f of bf16 with its scales; model %s, %s)",
@@ -167,7 +183,7 @@ class ModelRunner:
 
         start = time.perf_counter()
         q_dtype = self.dtype if self.pool.quantised else self.pool.dtype
-        splits = warm_up_split_path(self.pool.k[0], self.config.num_attention_heads, q_dtype,
+        splits = warm_up_split_path(self.pool.k[0], self.num_heads, q_dtype,
                                     self.context_length, self.pool.k_scale[0], self.pool.v_scale[0],
                                     self.pool.sink_k[0] if self.pool.has_sink else None)  # fmt: skip
         torch.cuda.synchronize(self.device)
@@ -208,7 +224,7 @@ class ModelRunner:
         if args.kv_cache_dtype not in ("fp8_e4m3", *TIERED_KV):
             return None, None
         if args.kv_scales_path:
-            scales = load_kv_scales(args.kv_scales_path, cfg.num_hidden_layers, cfg.num_key_value_heads,
+            scales = load_kv_scales(args.kv_scales_path, cfg.num_hidden_layers, self.num_kv_heads,
                                     self.head_dim)
             logger.info("FP8 KV scales loaded from %s (keys rotated: %s)", args.kv_scales_path,
                         scales.k_rotation or "no")
@@ -226,14 +242,14 @@ class ModelRunner:
     def _size_pool(self) -> int:
         """Pages (including the dummy page 0) from --max-total-tokens or the memory fraction."""
         cfg, args = self.config, self.args
-        page = kv_page_bytes(args.kv_cache_dtype, self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
+        page = kv_page_bytes(args.kv_cache_dtype, self.dtype, cfg.num_hidden_layers, self.num_kv_heads,
                              self.head_dim, self.page_size)
         per_token = -(-page // self.page_size)  # int4 / mixed: INT4 page + statistics
         fp8_bytes = 0  # tiered pools' FP8 slots and FP8 pools' sink slots come out of the budget first
         if self.num_fp8_pages:
             fp8_bytes = self.num_fp8_pages * kv_page_bytes("fp8_e4m3", self.dtype, cfg.num_hidden_layers,
-                                                           cfg.num_key_value_heads, self.head_dim, self.page_size)
-        fp8_bytes += 2 * self.sink_slots * cfg.num_hidden_layers * cfg.num_key_value_heads * self.head_dim * 4
+                                                           self.num_kv_heads, self.head_dim, self.page_size)
+        fp8_bytes += 2 * self.sink_slots * cfg.num_hidden_layers * self.num_kv_heads * self.head_dim * 4
         tokens = args.max_total_tokens
         source = "--max-total-tokens"
         if tokens is None and self.device.type == "cuda":
@@ -327,7 +343,7 @@ class ModelRunner:
         cfg = self.config
         n = min(2048 if self.device.type == "cuda" else 128, self.context_length - 1)
         pages = -(-n // self.page_size)
-        pool = KVPool(pages + 1, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim,
+        pool = KVPool(pages + 1, self.page_size, cfg.num_hidden_layers, self.num_kv_heads, self.head_dim,
                       self.dtype, self.device)
         ids = [(17 * i) % self.vocab_size for i in range(n)]
         batch = ForwardBatch.build([ids], [0], [list(range(1, pages + 1))], [n - 1], self.page_size, self.device)
@@ -385,6 +401,29 @@ class ModelRunner:
         self._sample(items, rows, logits, step, scoring, reqs)
         self._last_launch = step
         return step
+
+    def follow(self, decision: ScheduleDecision) -> None:
+        """Tensor parallel ranks other than 0: run rank 0's step on this rank's slice (the
+        same forward passes and collectives as its ``launch``) and take the tokens it
+        sampled (a broadcast) as the inputs of the next step; nothing is sampled here."""
+        items, steps = decision.items, decision.decode_steps
+        if steps > 1:
+            b = len(items)
+            _, _, graph_reqs = self._logits(items, False, steps)
+            for i in range(steps):
+                if i:
+                    if graph_reqs is not None:
+                        self.graph_runner.replay_next()
+                    else:
+                        self._logits([ScheduleItem(it.req, it.start + i, 1, True) for it in items], False)
+                self.tp.broadcast(self._prev_ids[:b])
+                self._prev_rows = {it.req: j for j, it in enumerate(items)}
+            return
+        _, rows, _ = self._logits(items, any(it.req.return_logprob for it in items))
+        picks = range(len(items)) if rows is None else [i for i, (_, r) in enumerate(rows) if r is not None]
+        if picks:
+            self.tp.broadcast(self._prev_ids[: len(picks)])
+            self._prev_rows = {items[i].req: k for k, i in enumerate(picks)}
 
     def _logits(self, items: list[ScheduleItem], scoring: bool, steps: int = 1
                 ) -> tuple[torch.Tensor, list[tuple[list[int], int | None]] | None, list[Req] | None]:
@@ -455,6 +494,8 @@ class ModelRunner:
             else:
                 ids = sample(logits[:b], sb, self.generator, want_logprobs=False).next_ids
                 self._prev_ids[:b].copy_(ids)  # the next step's inputs (and the next launch's)
+            if self.tp is not None:
+                self.tp.broadcast(self._prev_ids[:b])
             self._prev_rows = rows_of
             window[i].copy_(ids)
         step = PendingStep(items, picks=list(range(b)), decode_steps=steps)
@@ -678,6 +719,8 @@ class ModelRunner:
         out = sample(chosen, sb, self.generator, top_k_logprobs=top_k, logits_mask=mask,
                      want_logprobs=want_logprobs)
         self._prev_ids[: len(picks)].copy_(out.next_ids)  # inputs of the next launch (overlap)
+        if self.tp is not None:  # the other ranks feed rank 0's tokens (``follow``)
+            self.tp.broadcast(self._prev_ids[: len(picks)])
         self._prev_rows = rows_of
         step.picks, step.sampled = picks, out
         if self.device.type == "cuda":  # start the copies to the host now, wait in collect()

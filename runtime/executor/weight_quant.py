@@ -97,14 +97,14 @@ class QuantLinear(nn.Module):
 def quantize_linears(model: nn.Module, kind: str, lm_head_kind: str | None = None) -> dict[str, Any]:
     """Replace every ``nn.Linear`` of the decoder layers with a ``QuantLinear`` of ``kind``,
     and give the LM head one of ``lm_head_kind`` (default ``kind``; int4 falls back to int8
-    for the LM head when the vocabulary is not a multiple of 16) as ``model.lm_head_quant``
+    for any weight whose shape the int4 kernel cannot take) as ``model.lm_head_quant``
     (the embedding table itself stays for the lookup). Returns a summary: linears replaced,
     bytes of their weights before and after."""
     before = after = replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and name != "lm_head":
-                layer_kind = kind if kind != "int4" or child.out_features % 16 == 0 else "int8"
+                layer_kind = "int8" if kind == "int4" and not _int4_fits(child.weight) else kind
                 quant = QuantLinear.from_linear(child, layer_kind)
                 before += child.weight.numel() * child.weight.element_size()
                 after += quant.weight_bytes
@@ -113,12 +113,17 @@ def quantize_linears(model: nn.Module, kind: str, lm_head_kind: str | None = Non
     head = getattr(model, "lm_head", None)
     if head is not None:
         head_kind = lm_head_kind or kind
-        if head_kind == "int4" and head.weight.shape[0] % 16:
+        if head_kind == "int4" and not _int4_fits(head.weight):
             head_kind = "int8"
         model.lm_head_quant = QuantLinear.from_linear(head, head_kind)
         before += head.weight.numel() * head.weight.element_size()
         after += model.lm_head_quant.weight_bytes
     return {"linears": replaced, "bytes_before": before, "bytes_after": after}
+
+
+def _int4_fits(weight: torch.Tensor) -> bool:
+    """Whether the int4 kernel takes a [N, K] weight (a tensor-parallel shard may not)."""
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % INT4_GROUP_SIZE == 0
 
 
 _GGUF_KINDS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8",

@@ -29,6 +29,7 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.executor.kv_calibration import KVScalesError
 from radixlm.runtime.executor.model_loader import usable_cores
 from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.executor.parallel import RankPlacement
 from radixlm.runtime.executor.sampling import has_penalties
 from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.memory.page_allocator import PageAllocator
@@ -38,6 +39,7 @@ from radixlm.runtime.scheduler.planner import BatchPlanner
 from radixlm.runtime.scheduler.prefix_cache import PrefixCache
 from radixlm.runtime.scheduler.request import Req
 from radixlm.runtime.scheduler.stop_checker import StopChecker
+from radixlm.runtime.scheduler.tensor_parallel import LeaderRunner, StepSender
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.text.grammar import GrammarCache, allows_a_token, grammar_of
 
@@ -110,6 +112,7 @@ class Scheduler:
         self._grammars: GrammarCache | None = None  # built on the first grammar request
         self.grammar_waiting: list[tuple[Req, Future]] = []  # compiling off the loop
         self._penalised: set[Req] = set()  # live requests with a penalty (see _needs_tokens)
+        self.dp_rank = 0  # this replica's index with data parallelism (its stats carry it)
 
     # ----------------------------------------------------------------- messages
     def handle(self, msg: Any) -> None:
@@ -286,6 +289,9 @@ class Scheduler:
         try:
             return self.step()
         except Exception as exc:  # report and keep serving
+            if getattr(self.runner, "tp", None) is not None:  # the other ranks wait in a collective
+                logger.exception("scheduler step failed with tensor parallelism: stopping")
+                raise
             logger.exception("scheduler step failed; aborting %d requests", len(self.planner.running))
             self.inflight = None
             stranded = list(self.planner.running) + [r for r in self.planner.waiting if r.num_inflight]
@@ -457,6 +463,7 @@ class Scheduler:
     # ----------------------------------------------------------------- stats / checks
     def stats(self) -> m.SchedulerStats:
         return m.SchedulerStats(
+            dp_rank=self.dp_rank,
             num_running=len(self.planner.running),
             num_waiting=len(self.planner.waiting),
             kv_total_pages=self.allocator.capacity,
@@ -667,18 +674,24 @@ def freeze_startup_objects() -> None:
 
 
 def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None,
-                    stop: threading.Event | None = None, idle_spin_s: float = 0.0) -> bool:
+                    stop: threading.Event | None = None, idle_spin_s: float = 0.0,
+                    placement: RankPlacement | None = None, dp_rank: int = 0) -> bool:
     """Connect to the tokenizer side at ``recv_addr``/``send_addr``, load the model, report
     ``SchedulerReady`` (or ``SchedulerError``, then return False), then serve until the
     parent process is gone or ``stop`` is set. Runs in the scheduler process, or on a
     thread of the user's process (``runtime.engine``: ``idle_spin_s`` 0, as a spinning
-    thread would hold the GIL against the caller's). ``idle_spin_s``: ``run_forever``'s."""
+    thread would hold the GIL against the caller's). ``idle_spin_s``: ``run_forever``'s.
+    ``placement``: tensor parallel rank 0 of a replica (the other ranks follow its steps,
+    scheduler/tensor_parallel.py); ``dp_rank``: the replica's index (data parallelism)."""
     send = MsgSocket(zmq.PUSH, send_addr, bind=False)
     recv = MsgSocket(zmq.PULL, recv_addr, bind=False)
     try:
         try:
-            runner = ModelRunner(args)
+            runner = ModelRunner(args, placement)
+            if runner.tp is not None:
+                runner = LeaderRunner(runner, StepSender(placement.step_addrs))
             scheduler = Scheduler(args, runner)
+            scheduler.dp_rank = dp_rank
         except Exception as exc:  # report start-up failures instead of dying silently
             if isinstance(exc, KVScalesError):  # the user's file or model: the message says what
                 logger.error("scheduler failed to start: %s", exc)
@@ -718,10 +731,13 @@ def idle_spin_s(args: ServerArgs, cores: int | None = None) -> float:
     return 0.02 if cores >= 4 else 0.0
 
 
-def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None) -> None:
-    """Entry point of the scheduler child process."""
+def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None,
+                          placement: RankPlacement | None = None, dp_rank: int = 0) -> None:
+    """Entry point of the scheduler child process (``placement``, ``dp_rank``: as
+    ``serve_scheduler``'s)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns shutdown: it drains
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # HTTP requests first, then kills us
-    if not serve_scheduler(args, recv_addr, send_addr, parent_pid, idle_spin_s=idle_spin_s(args)):
+    if not serve_scheduler(args, recv_addr, send_addr, parent_pid, idle_spin_s=idle_spin_s(args),
+                           placement=placement, dp_rank=dp_rank):
         os._exit(1)

@@ -326,8 +326,8 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
         head's when it differs: "int4/int8"), and for the KV cache dtypes that use them
         ``kv_mixed_window_pages`` / ``kv_sink_slots``), ``hicache`` (with a hierarchical cache: tier
         sizes in pages, page bytes, the tiers' measured read bandwidths in bytes/s), the model info, ``max_total_num_tokens`` /
-        ``max_req_input_len`` (SGLang's names), ``internal_states`` (the scheduler's last
-        report: running/waiting requests, KV pool usage, prefix-cache hit rate,
+        ``max_req_input_len`` (SGLang's names), ``internal_states`` (per data parallel
+        replica, the scheduler's last report: running/waiting requests, KV pool usage, prefix-cache hit rate,
         preemptions), ``version`` and ``name`` ("radixlm": how clients such as ``radixlm bench
         serving`` tell this server from SGLang, whose info has the same keys)."""
         r = tm.ready
@@ -342,7 +342,7 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
             resolved["hicache"] = r.hicache
         return {**args.public_dict(), **resolved, **model_info(tm, args, model_path),
                 "max_total_num_tokens": r.max_total_tokens, "max_req_input_len": r.context_length - 1, "kv_cache_bytes": r.kv_bytes,
-                "internal_states": [_internal_state(tm.stats)], "version": VERSION, "name": "radixlm"}
+                "internal_states": [_internal_state(st) for st in tm.replica_stats()], "version": VERSION, "name": "radixlm"}
 
 
 def _internal_state(stats: SchedulerStats | None) -> dict[str, Any]:

@@ -244,6 +244,12 @@ class TokenizerManager:
         self.control_waiters: dict[type, list[asyncio.Future]] = {}
         self.stats: m.SchedulerStats | None = None
         self.dead: str | None = None
+        # Data parallelism: ``send`` is a DPRouter (server/dp_router.py) over this many
+        # replicas; their stats and control replies are merged (``merge_stats``).
+        self.num_replicas = getattr(send, "num_replicas", 1)
+        self._release = getattr(send, "release", None)  # the router's load bookkeeping
+        self._replica_stats: dict[int, m.SchedulerStats] = {}
+        self._control_parts: dict[type, list] = {}
 
     # ----------------------------------------------------------------- receive loop
     async def recv_loop(self) -> None:
@@ -266,12 +272,28 @@ class TokenizerManager:
                 if entry is not None:
                     entry[0].put_nowait((entry[1], out))
         elif isinstance(msg, m.SchedulerStats):
-            self.stats = msg
+            if self.num_replicas == 1:
+                self.stats = msg
+            else:
+                self._replica_stats[msg.dp_rank] = msg
+                self.stats = merge_stats(list(self._replica_stats.values()))
         elif isinstance(msg, m.FlushCacheOut | m.CheckInvariantsOut):
+            if self.num_replicas > 1:  # one reply per replica: answer once all came
+                parts = self._control_parts.setdefault(type(msg), [])
+                parts.append(msg)
+                if len(parts) < self.num_replicas:
+                    return
+                msg = _merge_replies(self._control_parts.pop(type(msg)))
             waiters = self.control_waiters.pop(type(msg), [])
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(msg)
+
+    def replica_stats(self) -> list[m.SchedulerStats | None]:
+        """Each replica's last stats, by dp rank (one entry without data parallelism)."""
+        if self.num_replicas == 1:
+            return [self.stats]
+        return [self._replica_stats.get(i) for i in range(self.num_replicas)]
 
     def fail_all(self, reason: str) -> None:
         """The scheduler died: wake every waiting request with an error."""
@@ -420,6 +442,8 @@ class TokenizerManager:
             self.queues.pop(s.sid, None)
             if not s.done and not self.dead:
                 self.send.asend_nowait(m.AbortReq(rid=s.sid))
+            if self._release is not None:
+                self._release(s.sid)
 
     def _to_chunk(self, sample: _Sample, out: m.ReqOutput | int) -> SampleChunk:
         """The chunk of ``out``: a ReqOutput, or one plain token (BatchOutput's columns)."""
@@ -462,3 +486,24 @@ class TokenizerManager:
 
     async def check_invariants(self) -> m.CheckInvariantsOut:
         return await self._control(m.CheckInvariantsReq(), m.CheckInvariantsOut)
+
+
+def merge_stats(parts: list[m.SchedulerStats]) -> m.SchedulerStats:
+    """The replicas' latest stats as one: counts and seconds summed (``page_size`` and the
+    hierarchical cache's stats are the first replica's)."""
+    first = parts[0]
+    sums = {f: sum(getattr(p, f) for p in parts) for f in first.__struct_fields__
+            if f not in ("dp_rank", "page_size", "hicache")}
+    return msgspec.structs.replace(first, **sums)
+
+
+def _merge_replies(parts: list) -> m.FlushCacheOut | m.CheckInvariantsOut:
+    """The replicas' replies to one control request as one (ok only if every replica's is)."""
+    if isinstance(parts[0], m.FlushCacheOut):
+        return m.FlushCacheOut(success=all(p.success for p in parts),
+                               message="; ".join(p.message for p in parts if p.message))
+    return m.CheckInvariantsOut(
+        ok=all(p.ok for p in parts), message="; ".join(p.message for p in parts if p.message),
+        num_live=sum(p.num_live for p in parts), free_pages=sum(p.free_pages for p in parts),
+        cached_pages=sum(p.cached_pages for p in parts), locked_pages=sum(p.locked_pages for p in parts),
+        violations=[v for p in parts for v in p.violations])

@@ -116,3 +116,90 @@ def idle_invariants():
         return report
 
     return check
+
+
+def model_processes(server_pid: int) -> list[int]:
+    """The pids of a server's model processes (schedulers, tensor parallel ranks): its
+    children started by multiprocessing's spawn (not its resource tracker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def _model_process_alive(pid: int) -> bool:
+    try:  # a zombie's cmdline is empty
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def assert_exits_when_killed(srv: Server, pid: int, timeout: float = 30.0) -> str:
+    """SIGKILL ``pid`` (one of ``srv``'s model processes): the server must exit non-zero
+    within ``timeout`` seconds, its other model processes gone too. Returns its log."""
+    import os
+    import signal
+
+    others = [p for p in model_processes(srv.proc.pid) if p != pid]
+    os.kill(pid, signal.SIGKILL)
+    code = srv.proc.wait(timeout)
+    assert code not in (0, None), code
+    deadline = time.monotonic() + 10
+    while any(map(_model_process_alive, others)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_model_process_alive, others))
+    return srv.log()
+
+
+@pytest.fixture
+def kill_model_process():
+    """``kill(srv, which=-1) -> log``: SIGKILL one of the server's model processes
+    (``model_processes``, by index) and assert the server exits non-zero with the others
+    gone (``assert_exits_when_killed``); also returns how many there were."""
+
+    def kill(srv: Server, which: int = -1) -> tuple[int, str]:
+        pids = model_processes(srv.proc.pid)
+        return len(pids), assert_exits_when_killed(srv, pids[which])
+
+    return kill
+
+
+def _save_tiny(arch: str, out: Path) -> str:
+    """A 2-layer random Llama / Qwen2 (hidden 64, 4 heads, 2 KV heads, MLP 96, vocabulary
+    256: every dimension TP 2 splits evenly) saved in ``out``."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[arch]
+    config = getattr(transformers, config_cls)(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """``make(arch) -> model dir``: ``_save_tiny``'s model, saved once per session."""
+    made: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in made:
+            made[arch] = _save_tiny(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return made[arch]
+
+    return make

@@ -52,7 +52,7 @@ from radixlm.runtime.executor.models.layers import softcap as soft_cap
 from radixlm.runtime.executor.models.moe import SparseMoeBlock, moe_spec
 from radixlm.runtime.memory.kv_pool import KVPool
 
-__all__ = ["CausalLM", "DecoderSpec", "LayerSpec", "head_dim", "rope_key", "sliding_window"]
+__all__ = ["CausalLM", "DecoderSpec", "LayerSpec", "head_dim", "local_heads", "rope_key", "sliding_window"]
 
 # Checkpoint name fragment -> (our merged parameter fragment, shard index).
 _STACKED = {
@@ -64,6 +64,7 @@ _STACKED = {
 }
 # Per-expert checkpoint tensors: ...mlp.experts.<e>.<gate_proj|up_proj|down_proj>.weight
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")  # vocabulary rows (vocab-parallel)
 _EXPERT_TARGET = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 
 
@@ -107,14 +108,14 @@ class Attention(nn.Module):
     """QKV projection, [q/k norm], RoPE, paged attention through the backend, output projection."""
 
     def __init__(self, config: Any, layer_id: int, backend: AttentionBackend, spec: DecoderSpec,
-                 rotary: RotaryEmbedding, settings: LayerAttention) -> None:  # fmt: skip
+                 rotary: RotaryEmbedding, settings: LayerAttention, tp: Any = None) -> None:  # fmt: skip
         super().__init__()
         self.rotary = [rotary]  # a list: not a registered submodule (no parameters)
         self.layer_id = layer_id
         self.attn_backend = backend
         backend.set_layer(layer_id, settings)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp  # a TPGroup (executor/parallel.py) with tensor parallelism: this rank's heads
+        self.num_heads, self.num_kv_heads = local_heads(config, tp)
         self.head_dim = head_dim(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
@@ -150,7 +151,14 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = pool.rotate_qk(apply_rope(q, *cos_sin), apply_rope(k, *cos_sin))
         o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool, kv_stored=kv_stored)  # [T, H, D]
-        return _linear(self.o_proj, o.reshape(qkv.shape[0], -1), cos_sin is None)  # [T, H*D] -> [T, E]
+        out = _linear(self.o_proj, o.reshape(qkv.shape[0], -1), cos_sin is None)  # [T, H*D] -> [T, E]
+        return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
+
+    def project_out(self, o: torch.Tensor, fused: bool) -> torch.Tensor:
+        """o_proj: o [T, H * D] -> [T, E], summed over the ranks with tensor parallelism
+        (row-parallel: each rank's heads give a partial sum)."""
+        out = _linear(self.o_proj, o, fused)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (H + 2K) * D] -> views q [T, H, D], k [T, K, D], v [T, K, D]."""
@@ -198,8 +206,10 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) (SwiGLU for SiLU, GeGLU for GELU; Shazeer, "GLU Variants
     Improve Transformer", 2020), gate and up in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", fused: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", fused: bool = False,
+                 tp: Any = None) -> None:  # fmt: skip
         super().__init__()
+        self.tp = tp  # tensor parallelism: intermediate_size is this rank's share, down is summed
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         if activation not in ACTIVATIONS:
@@ -211,7 +221,8 @@ class GatedMLP(nn.Module):
         if self.fused:
             return self.down(_linear(self.gate_up_proj, x, True))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
-        return self.down_proj(self.act(gate) * up)  # [T, E]
+        out = self.down_proj(self.act(gate) * up)  # [T, E]
+        return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel: summed over the ranks
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The fused path after gate_up: [T, 2F] -> down(silu(gate) * up) [T, E]; at batch 1
@@ -219,20 +230,25 @@ class GatedMLP(nn.Module):
         if _gemv_ok(self.down_proj, gate_up):
             from radixlm.kernels.gemv import silu_mul_gemv
 
-            return silu_mul_gemv(gate_up, self.down_proj.weight)
-        return _linear(self.down_proj, _fused_ops().silu_and_mul(gate_up), True)
+            out = silu_mul_gemv(gate_up, self.down_proj.weight)
+        else:
+            out = _linear(self.down_proj, _fused_ops().silu_and_mul(gate_up), True)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, backend: AttentionBackend, spec: DecoderSpec,
-                 layer: LayerSpec, rotary: RotaryEmbedding, fused: bool) -> None:  # fmt: skip
+                 layer: LayerSpec, rotary: RotaryEmbedding, fused: bool, tp: Any = None) -> None:  # fmt: skip
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = Attention(config, layer_id, backend, spec, rotary, layer.attention)
+        self.self_attn = Attention(config, layer_id, backend, spec, rotary, layer.attention, tp)
         if layer.moe:
+            if tp is not None:
+                raise ValueError("tensor parallelism does not cover MoE layers yet (no expert sharding)")
             self.mlp: nn.Module = SparseMoeBlock(moe_spec(config), config.hidden_size)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, spec.activation, fused)
+            width = config.intermediate_size if tp is None else tp.split(config.intermediate_size, "the MLP width")[1]
+            self.mlp = GatedMLP(config.hidden_size, width, spec.activation, fused, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.sandwich = spec.sandwich_norms
@@ -278,7 +294,7 @@ class DecoderLayer(nn.Module):
     def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused layer after its attention: (o [T, H * D], residual [T, E]) -> (the MLP
         output, residual so far): the output projection, then ``mlp_fused``."""
-        return self.mlp_fused(_linear(self.self_attn.o_proj, o, True), residual)
+        return self.mlp_fused(self.self_attn.project_out(o, True), residual)
 
     def mlp_fused(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused layer after its attention's output projection: (h, residual) [T, E] ->
@@ -292,9 +308,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, spec: DecoderSpec, layers: list[LayerSpec]) -> None:
+    def __init__(self, config: Any, backend: AttentionBackend, spec: DecoderSpec, layers: list[LayerSpec],
+                 tp: Any = None) -> None:  # fmt: skip
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp, self.vocab_size = tp, config.vocab_size
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:  # this rank's rows of the vocabulary, padded (TPShard.vocab)
+            self.embed_tokens = nn.Embedding(tp.vocab(config.vocab_size)[2], config.hidden_size)
         self.embed_scale = spec.embed_scale
         # One rotary per distinct parameter set (Gemma 3: local and global); plain objects.
         self.rotaries: dict[tuple, RotaryEmbedding] = {}
@@ -304,7 +325,7 @@ class DecoderModel(nn.Module):
         # Fused Triton norm / RoPE / SiLU kernels go with the Triton attention backend.
         self.fused = isinstance(backend, TritonAttentionBackend) and spec.fusable
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend, spec, layer, self.rotaries[layer.rope], self.fused)
+            DecoderLayer(config, i, backend, spec, layer, self.rotaries[layer.rope], self.fused, tp)
             for i, layer in enumerate(layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -315,8 +336,16 @@ class DecoderModel(nn.Module):
         return self.layers[0].self_attn.rotary[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> [T, E], times the family's embedding scale (in the model dtype)."""
-        x = self.embed_tokens(input_ids)
+        """input_ids [T] -> [T, E], times the family's embedding scale (in the model dtype).
+        With tensor parallelism each rank looks up the ids in its vocabulary slice (zero
+        elsewhere) and the ranks' rows are summed."""
+        if self.tp is None:
+            x = self.embed_tokens(input_ids)
+        else:
+            start, rows, _ = self.tp.vocab(self.vocab_size)
+            mine = (input_ids >= start) & (input_ids < start + rows)  # [T]
+            x = self.embed_tokens(torch.where(mine, input_ids - start, 0))
+            x = self.tp.all_reduce(x * mine[:, None].to(x.dtype))
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x
@@ -352,18 +381,20 @@ class CausalLM(nn.Module):
 
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, config: Any, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, attn_backend: AttentionBackend, tp: Any = None) -> None:
         super().__init__()
         self.config = config
         self.attn_backend = attn_backend
+        self.tp = tp  # a TPShard / TPGroup (executor/parallel.py): this rank's slice; None: the whole model
         self.spec = self.decoder_spec(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         layers = [self.layer_spec(config, i) for i in range(config.num_hidden_layers)]
-        self.model = DecoderModel(config, attn_backend, self.spec, layers)
+        self.model = DecoderModel(config, attn_backend, self.spec, layers, tp)
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            rows = config.vocab_size if tp is None else tp.vocab(config.vocab_size)[2]
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self._renames = [(re.compile(p), r) for p, r in self.checkpoint_renames]
 
     # ------------------------------------------------------------------ family hooks
@@ -392,6 +423,8 @@ class CausalLM(nn.Module):
         and returned."""
         head = getattr(self, "lm_head_quant", None)  # --weight-dtype (executor/weight_quant.py)
         logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head.weight)
+        if self.tp is not None:  # [N, Vp] per rank -> [N, V]: sampling sees the whole vocabulary
+            logits = self.tp.all_gather_columns(logits, self.config.vocab_size)
         if self.spec.final_softcap is not None:
             logits = soft_cap(logits.float(), self.spec.final_softcap)
         if out is None:
@@ -416,6 +449,9 @@ class CausalLM(nn.Module):
             dst = params[target].data
             if shard is not None:
                 dst = self._shard(target, dst, shard)
+            if self.tp is not None and target in _VOCAB_PARAMS:  # the last rank's slice: padded
+                dst[tensor.shape[0] :].zero_()
+                dst = dst[: tensor.shape[0]]
             if dst.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             dst.copy_(tensor)
@@ -428,6 +464,37 @@ class CausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.weight.data += self.spec.norm_offset
+
+    def checkpoint_slice(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The part of checkpoint tensor ``name`` (of ``shape``) this rank loads (None: all
+        of it); the loader reads only that (``safe_open(...).get_slice``). Column-parallel
+        weights (q/k/v and their biases, gate/up, embedding, LM head) by rows, row-parallel
+        ones (o_proj, down) by columns, the rest (norms) whole (parallel.py's table)."""
+        tp = self.tp
+        if tp is None:
+            return None
+        target, shard = self._locate(name)
+        if isinstance(shard, tuple) or (shard is None and (".qkv_proj." in target or ".gate_up_proj." in target)):
+            raise ValueError(f"{name}: tensor parallelism needs separate q/k/v and gate/up tensors "
+                             f"(not fused or per-expert ones)")
+        cfg, d = self.config, head_dim(self.config)
+        if ".qkv_proj." in target:
+            first, count = (tp.q_heads(cfg.num_attention_heads) if shard == 0
+                            else tp.kv_heads(cfg.num_attention_heads, cfg.num_key_value_heads))
+            return (slice(first * d, (first + count) * d),)
+        if ".gate_up_proj." in target:
+            start, count = tp.split(shape[0], "the MLP width")
+            return (slice(start, start + count),)
+        if target.endswith(".o_proj.weight"):
+            first, count = tp.q_heads(cfg.num_attention_heads)
+            return (slice(None), slice(first * d, (first + count) * d))
+        if target.endswith(".down_proj.weight"):
+            start, count = tp.split(shape[1], "the MLP width")
+            return (slice(None), slice(start, start + count))
+        if target in _VOCAB_PARAMS:
+            start, rows, _ = tp.vocab(shape[0])
+            return (slice(start, start + rows),)
+        return None
 
     def _locate(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (our parameter name, shard within it or None). Shards: an int
@@ -533,6 +600,14 @@ def _fused_ops() -> Any:
     from radixlm.kernels import fused_ops
 
     return fused_ops
+
+
+def local_heads(config: Any, tp: Any = None) -> tuple[int, int]:
+    """(H, K): the query and kv heads this rank computes (all of them without ``tp``)."""
+    if tp is None:
+        return config.num_attention_heads, config.num_key_value_heads
+    return tp.q_heads(config.num_attention_heads)[1], tp.kv_heads(config.num_attention_heads,
+                                                                   config.num_key_value_heads)[1]
 
 
 def head_dim(config: Any) -> int:

@@ -220,7 +220,7 @@ def test_kv_pool_sizing_is_logged(monkeypatch: pytest.MonkeyPatch, caplog: pytes
     from radixlm.runtime.server_args import ServerArgs
 
     cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2)
-    runner = SimpleNamespace(config=cfg, head_dim=8, dtype=torch.float32, page_size=16, num_fp8_pages=None,
+    runner = SimpleNamespace(config=cfg, head_dim=8, num_kv_heads=2, dtype=torch.float32, page_size=16, num_fp8_pages=None,
                              sink_slots=0, device=torch.device("cuda"), args=ServerArgs(mem_fraction_static=0.5))
     per_token = 2 * 2 * 2 * 8 * 4  # K and V x layers x kv heads x head dim x fp32 bytes
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * 2**30, 8 * 2**30))
