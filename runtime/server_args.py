@@ -248,6 +248,15 @@ class ServerArgs:
         None, "host:port of the torch.distributed rendezvous of tensor parallel ranks (replica i "
         "uses port + i). Default: a free local port per replica.")
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
+    kv_events_endpoint: str | None = _opt(
+        None, "Publish KV cache events (blocks stored / removed / all cleared, vLLM's format: "
+        "docs/SERVING.md \"KV events\") on a ZeroMQ PUB socket at this endpoint, e.g. "
+        "tcp://*:5557 (bound; an address without * is connected to). Replica i of --dp-size uses "
+        "port + i. Default: off.")
+    kv_events_replay_endpoint: str | None = _opt(
+        None, "ZeroMQ ROUTER endpoint (e.g. tcp://*:5558) answering replay requests for the last "
+        "10000 event batches (needs --kv-events-endpoint; replica i uses port + i).")
+    kv_events_topic: str = _opt("", "Topic (first frame) of every KV event message.")
     radix_eviction_policy: str = _opt(
         "lru",
         "Which unlocked cached prefix (radix-tree leaf) is evicted first when pages run out "
@@ -436,6 +445,7 @@ class ServerArgs:
             raise ValueError("the hierarchical cache (--hicache-*) needs the radix cache; drop "
                              "--disable-radix-cache")
         self._validate_parallel()
+        self._validate_kv_events()
         if not 0 <= self.swap_space_gb < math.inf:
             raise ValueError("--swap-space-gb must be a finite number >= 0")
         if not 0 <= self.random_seed < 2**63:
@@ -466,6 +476,17 @@ class ServerArgs:
         self.importance_weight_values()  # raises on a malformed list
         if not 0.0 <= self.decode_reserve_min_ratio <= self.decode_reserve_ratio:
             raise ValueError("need 0 <= --decode-reserve-min-ratio <= --decode-reserve-ratio")
+
+    def _validate_kv_events(self) -> None:
+        for flag, value in (("--kv-events-endpoint", self.kv_events_endpoint),
+                            ("--kv-events-replay-endpoint", self.kv_events_replay_endpoint)):
+            if value is not None and not re.fullmatch(r"(tcp://[^\s:]+:\d{1,5}|ipc://\S+)", value):
+                raise ValueError(f"{flag} must be tcp://host:port (host * binds every interface) "
+                                 "or ipc://path")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.kv_events_endpoint is not None and self.disable_radix_cache:
+            raise ValueError("--kv-events-endpoint publishes the radix cache's blocks; drop --disable-radix-cache")
 
     def _validate_parallel(self) -> None:
         if self.tp_size < 1 or self.dp_size < 1:

@@ -90,6 +90,7 @@ def test_dependency_direction(folder, forbidden):
 # processes and may import any of them.
 RUNTIME_PACKAGES = {
     "messages": set(),
+    "kv_events": set(),
     "ipc": {"messages"},
     "server_args": set(),
     "text": {"messages"},
@@ -97,7 +98,7 @@ RUNTIME_PACKAGES = {
     "server": {"messages", "ipc", "server_args", "text"},
     "executor": {"messages", "server_args", "memory", "text", "scheduler.decision",
                  "scheduler.request"},
-    "scheduler": {"messages", "ipc", "server_args", "memory", "text", "executor"},
+    "scheduler": {"messages", "ipc", "server_args", "memory", "text", "executor", "kv_events"},
     "bench": {"server_args", "executor.model_loader"},
     "launch_server": {"messages", "ipc", "server_args", "server", "scheduler", "executor"},
     "engine": {"messages", "ipc", "server_args", "server", "scheduler", "executor", "launch_server"},
@@ -109,7 +110,7 @@ TORCH_FREE = [
     "radixlm.runtime.memory.disk_store", "radixlm.runtime.scheduler.hicache",
     "radixlm.runtime.scheduler.planner", "radixlm.runtime.scheduler.decision",
     "radixlm.runtime.scheduler.prefix_cache", "radixlm.runtime.bench.cache_sim",
-    "radixlm.runtime.bench.serving",
+    "radixlm.runtime.bench.serving", "radixlm.runtime.kv_events",
 ]
 
 

@@ -20,6 +20,11 @@ With a hierarchical cache (``hicache``, scheduler/hicache.py) a match may go on 
 device pages into pages cached in host memory or on disk: the host part is loaded into
 new device pages at admission (they join the tree's pages of the page table), the disk
 part is prefetched while the request waits (``start_prefetch`` / ``prefetch_ready``).
+
+With ``--kv-events-endpoint`` an ``events`` recorder (runtime/kv_events.py) hears every device
+page the tree takes (``cache``: inserted, or loaded back and inserted), drops (``alloc``'s
+evictions) or loses at once (``flush``); the scheduler publishes what it recorded once per
+loop turn.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixlm.radix import RadixTree
+from radixlm.runtime.kv_events import KVEventRecorder
 from radixlm.runtime.memory.page_allocator import PageAllocator
 from radixlm.runtime.scheduler.request import Req
 
@@ -41,6 +47,7 @@ class PrefixCache:
         self.page_size = page_size
         self.hicache = hicache  # a scheduler.hicache.HiCache, or None
         self.num_evicted_pages = 0
+        self.events: KVEventRecorder | None = None  # set by the scheduler (--kv-events-endpoint)
 
     # ----------------------------------------------------------------- admission
     def match_and_lock(self, req: Req, max_tokens: int) -> int:
@@ -111,6 +118,8 @@ class PrefixCache:
         if short > 0 and self.tree is not None:
             evicted = self.tree.evict(short)
             self.num_evicted_pages += len(evicted)
+            if self.events is not None:
+                self.events.removed(evicted)
             self.allocator.free(evicted)
         return self.allocator.alloc(n)
 
@@ -136,7 +145,10 @@ class PrefixCache:
         num_pages = min(min(req.num_computed, req.num_known) // self.page_size, len(req.pages))
         if num_pages <= req.num_tree_pages:
             return
-        result = self.tree.insert(req.token_array(num_pages * self.page_size), req.pages[:num_pages])
+        tokens = req.token_array(num_pages * self.page_size)
+        result = self.tree.insert(tokens, req.pages[:num_pages])
+        if self.events is not None:
+            self.events.stored(tokens, result.pages)
         dup = [mine for mine, kept in zip(req.pages, result.pages, strict=False) if mine != kept]
         req.pages[:num_pages] = result.pages
         self.tree.inc_lock(result.node)
@@ -165,6 +177,8 @@ class PrefixCache:
         if self.tree.protected_pages > 0 or (self.hicache is not None and self.hicache.prefetches):
             return False
         self.allocator.free(self.tree.reset() if self.hicache is None else self.hicache.reset())
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     # ----------------------------------------------------------------- stats / checks

@@ -32,6 +32,7 @@ from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.executor.parallel import RankPlacement
 from radixlm.runtime.executor.sampling import has_penalties
 from radixlm.runtime.ipc import MsgSocket
+from radixlm.runtime.kv_events import KVEventPublisher, KVEventRecorder
 from radixlm.runtime.memory.page_allocator import PageAllocator
 from radixlm.runtime.scheduler.decision import ItemResult, PendingStep
 from radixlm.runtime.scheduler.hicache import HiCache
@@ -113,6 +114,13 @@ class Scheduler:
         self.grammar_waiting: list[tuple[Req, Future]] = []  # compiling off the loop
         self._penalised: set[Req] = set()  # live requests with a penalty (see _needs_tokens)
         self.dp_rank = 0  # this replica's index with data parallelism (its stats carry it)
+        self.kv_publisher: KVEventPublisher | None = None  # --kv-events-endpoint (attach_kv_events)
+
+    def attach_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Publish the radix cache's block events through ``publisher`` from now on (one
+        batch per loop turn that changed the tree, sent before that turn's outputs)."""
+        self.kv_publisher = publisher
+        self.cache.events = KVEventRecorder(self.args.page_size)
 
     # ----------------------------------------------------------------- messages
     def handle(self, msg: Any) -> None:
@@ -589,6 +597,8 @@ class Scheduler:
         the writes queued so far; the model is freed with the object)."""
         if self._grammars is not None:
             self._grammars.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if self.hicache is not None:
             self.hicache.drain()
             if self.hicache.disk is not None:
@@ -604,6 +614,8 @@ class Scheduler:
         return batch
 
     def _flush(self, send: MsgSocket) -> None:
+        if self.kv_publisher is not None and (events := self.cache.events.take()):
+            self.kv_publisher.publish(events)  # before the outputs: a router sees the blocks first
         batch = self.take_outputs()
         if batch is not None:
             send.send(batch)
@@ -692,6 +704,9 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
                 runner = LeaderRunner(runner, StepSender(placement.step_addrs))
             scheduler = Scheduler(args, runner)
             scheduler.dp_rank = dp_rank
+            if args.kv_events_endpoint is not None:
+                scheduler.attach_kv_events(KVEventPublisher(
+                    args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic, dp_rank))
         except Exception as exc:  # report start-up failures instead of dying silently
             if isinstance(exc, KVScalesError):  # the user's file or model: the message says what
                 logger.error("scheduler failed to start: %s", exc)

@@ -58,6 +58,9 @@ def test_unusable_api_key_is_a_usage_error(monkeypatch, capsys, key):
     (["--importance-weights", "1,nan,2"], "three comma-separated finite numbers"),
     (["--importance-weights", "1,2"], "three comma-separated finite numbers"),
     (["--random-seed", "99999999999999999999999"], "--random-seed must be in [0, 2**63)"),
+    (["--kv-events-endpoint", "localhost:5557"], "--kv-events-endpoint must be tcp://host:port"),
+    (["--kv-events-replay-endpoint", "tcp://*:5558"], "--kv-events-replay-endpoint needs --kv-events-endpoint"),
+    (["--kv-events-endpoint", "tcp://*:5557", "--disable-radix-cache"], "drop --disable-radix-cache"),
 ])
 def test_limit_flags_out_of_range_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:

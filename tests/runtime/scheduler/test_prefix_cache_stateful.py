@@ -14,7 +14,9 @@ suffice; evicted prefixes are dropped from the model and were never locked. Afte
 step: free + cached + owned == capacity, no page both free and referenced
 (``PrefixCache.check_invariants``), the tree holds exactly the model's pages, every live
 request's shared pages are the model's pages for its prefix, and the tree's locked pages
-are exactly the prefixes locked by live requests.
+are exactly the prefixes locked by live requests. KV events (runtime/kv_events.py): the
+blocks a consumer holds after applying every event recorded so far are exactly the cached
+prefixes (each prefix's block hash), and each stored block's tokens hash to its hash.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixlm.radix import EVICTION_POLICIES, RadixTree
+from radixlm.runtime.kv_events import (
+    BlockStored,
+    EventBatch,
+    KVBlockIndex,
+    KVEventRecorder,
+    block_hashes,
+    page_hash,
+)
 from radixlm.runtime.memory.page_allocator import PageAllocator
 from radixlm.runtime.messages import SamplingParams
 from radixlm.runtime.scheduler.prefix_cache import PrefixCache
@@ -57,6 +67,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         tree = RadixTree(page_size, policy, clock=lambda: float(next(ticks))) if radix else None
         self.size = page_size
         self.cache = PrefixCache(PageAllocator(num_pages), tree, page_size)
+        if radix:
+            self.cache.events = KVEventRecorder(page_size)
+        self.index = KVBlockIndex()
 
     # ------------------------------------------------------------- model helpers
 
@@ -259,6 +272,23 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         locked = self.locked_prefixes()
         assert locked <= set(self.cached), "a locked prefix was evicted"
         assert self.tree.protected_pages == len(locked), "locks unbalanced"
+        self.events_match_model()
+
+    def events_match_model(self) -> None:
+        events = self.cache.events.take()
+        for event in events:
+            if isinstance(event, BlockStored):
+                assert len(event.token_ids) == self.size * len(event.block_hashes)
+                parent = event.parent_block_hash
+                for i, h in enumerate(event.block_hashes):
+                    parent = page_hash(parent, event.token_ids[i * self.size : (i + 1) * self.size])
+                    assert parent == h
+        self.index.apply("server", EventBatch(ts=0.0, events=events))
+        expected = {block_hashes(list(k), self.size)[-1] for k in self.cached}
+        assert self.cache.events.held_hashes() == expected
+        assert self.index.held("server") == expected
+        for key in self.cached:  # a consumer's match of a cached prefix covers it whole
+            assert self.index.match(block_hashes(list(key), self.size)) == {"server": len(key) // self.size}
 
 
 PrefixCacheMachine.TestCase.settings = settings(
