@@ -11,13 +11,11 @@ tokenizer manager sends through it unchanged:
 
 Policies (``--dp-routing``):
 
-* ``cache_aware`` (SGLang's router, ``sgl-router`` "cache_aware"): the router keeps, per
-  replica, a radix tree (radix/tree.py) of the prompts it sent there, an approximation of
-  that replica's prefix cache, trimmed to its KV capacity by LRU. If the loads (samples
-  in flight) are imbalanced, ``max - min > BALANCE_ABS`` and ``max > BALANCE_REL * min``,
-  the least loaded replica gets the request; else the replica whose tree matches the
-  longest prefix, when that covers more than ``CACHE_THRESHOLD`` of the prompt; else the
-  replica whose tree is smallest (most room to cache).
+* ``cache_aware`` (SGLang's router; the policy is radix/routing.py's ``CacheAwarePolicy``,
+  shared with the Ray Serve router): per replica a radix tree of the prompts sent there,
+  trimmed to its KV capacity. Imbalanced loads (samples in flight): the least loaded
+  replica; else the longest cached prefix when it covers more than half the prompt; else
+  the replica with the fewest cached pages.
 * ``round_robin``: replicas in turn (baseline: shared prefixes land anywhere).
 """
 
@@ -26,15 +24,11 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from radixlm.radix import RadixTree
+from radixlm.radix.routing import BALANCE_ABS, CacheAwarePolicy
 from radixlm.runtime import messages as m
 from radixlm.runtime.server_args import DP_ROUTING_POLICIES
 
-__all__ = ["DP_ROUTING_POLICIES", "DPRouter"]
-
-CACHE_THRESHOLD = 0.5  # sgl-router's defaults
-BALANCE_ABS = 32
-BALANCE_REL = 1.0001
+__all__ = ["BALANCE_ABS", "DP_ROUTING_POLICIES", "DPRouter"]
 
 
 class DPRouter:
@@ -49,9 +43,9 @@ class DPRouter:
         self.loads = [0] * len(socks)  # samples in flight per replica
         self.routed = [0] * len(socks)  # samples sent per replica, ever
         self.where: dict[str, int] = {}  # sample id -> replica
-        self.trees = [RadixTree(page_size) for _ in socks]
-        self.capacity_pages = max(1, capacity_tokens // page_size)
-        self._page_ids = itertools.count(1)  # the trees' page ids: placeholders, never freed
+        self.cache_policy = CacheAwarePolicy(page_size, capacity_tokens)
+        for replica in range(len(socks)):
+            self.cache_policy.add(replica)
         self._turn = itertools.count()
 
     # -------------------------------------------------------------- MsgSocket's shape
@@ -76,6 +70,11 @@ class DPRouter:
         if replica is not None:
             self.loads[replica] -= 1
 
+    @property
+    def trees(self) -> dict:
+        """Replica -> the radix tree of the prompts sent there (cache-aware)."""
+        return self.cache_policy.trees
+
     def close(self) -> None:
         for sock in self.socks:
             sock.close()
@@ -85,23 +84,8 @@ class DPRouter:
         """The replica for a prompt of ``ids`` (and, cache-aware, record it there)."""
         if self.policy == "round_robin":
             return next(self._turn) % self.num_replicas
-        loads = self.loads
-        if max(loads) - min(loads) > BALANCE_ABS and max(loads) > BALANCE_REL * min(loads):
-            replica = loads.index(min(loads))
-        else:
-            matched = [tree.peek_prefix(ids).num_tokens for tree in self.trees]
-            best = max(range(self.num_replicas), key=lambda i: (matched[i], -loads[i]))
-            if matched[best] > CACHE_THRESHOLD * len(ids):
-                replica = best
-            else:
-                replica = min(range(self.num_replicas), key=lambda i: (self.trees[i].cached_pages, loads[i]))
-        self._remember(replica, ids)
+        loads = dict(enumerate(self.loads))
+        choice = self.cache_policy.choose(ids, loads)
+        replica = choice.replica if choice.replica is not None else self.loads.index(min(self.loads))
+        self.cache_policy.record(replica, ids)
         return replica
-
-    def _remember(self, replica: int, ids: list[int]) -> None:
-        tree = self.trees[replica]
-        pages = len(ids) // tree.page_size
-        tree.insert(ids[: pages * tree.page_size], [next(self._page_ids) for _ in range(pages)])
-        over = tree.cached_pages - self.capacity_pages
-        if over > 0:
-            tree.evict(over)
