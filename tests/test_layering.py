@@ -102,7 +102,8 @@ RUNTIME_PACKAGES = {
     "bench": {"server_args", "executor.model_loader"},
     "launch_server": {"messages", "ipc", "server_args", "server", "scheduler", "executor"},
     "engine": {"messages", "ipc", "server_args", "server", "scheduler", "executor", "launch_server"},
-    "cli": {"launch_server", "bench", "executor.kv_calibration"},
+    "deploy": {"kv_events", "server_args", "launch_server"},
+    "cli": {"launch_server", "bench", "executor.kv_calibration", "deploy"},
 }
 TORCH_FREE = [
     "radixlm.radix", "radixlm.frontend", "radixlm.runtime.server_args", "radixlm.runtime.messages",
