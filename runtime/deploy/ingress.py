@@ -19,8 +19,8 @@ Admin routes go to every replica and are merged: ``POST /flush_cache`` (200 only
 replica flushed), ``GET /debug/check_invariants`` (``ok`` if every replica is; counts
 summed; per replica under ``replicas``), ``GET /metrics`` (counters and histograms summed,
 gauges summed except usage / rate / ratio gauges, averaged), and ``GET /radixlm/replicas``
-(each replica's id, server pid and URL, KV event endpoints; the router's decision counts and
-median decision time).
+(each replica's id, server pid and URL, KV event endpoints; the router's decision counts,
+median decision time and per-replica view; the median time to tokenize a prompt).
 """
 
 import asyncio
@@ -28,6 +28,8 @@ import dataclasses
 import logging
 import statistics
 import tempfile
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +155,7 @@ class RadixLMIngress:
         self.tokenizer: Any = None
         self._tokenizer_lock = asyncio.Lock()
         self._tokenizer_task: asyncio.Future | None = None
+        self.tokenize_seconds: deque[float] = deque(maxlen=100_000)  # prompt_ids per prompt
         self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="radixlm-ingress-tokenizer-")
 
     # ------------------------------------------------------------------ tokenizer
@@ -177,7 +180,10 @@ class RadixLMIngress:
                 self._tokenizer_task = asyncio.ensure_future(self._load_tokenizer())
                 self._tokenizer_task.add_done_callback(_log_failure)
             return None
-        return prompt_ids(self.tokenizer, path, body)
+        start = time.perf_counter()
+        ids = prompt_ids(self.tokenizer, path, body)
+        self.tokenize_seconds.append(time.perf_counter() - start)
+        return ids
 
     # ------------------------------------------------------------------ forwarding
     async def _send(self, req: ProxyRequest) -> tuple[ProxyResponse, Any]:
@@ -298,7 +304,8 @@ class RadixLMIngress:
                        "decisions": dict(router.reasons) if router else {},
                        "median_decision_ms": statistics.median(decisions) * 1e3 if decisions else None,
                        **(router.routing.describe() if router else {})},
-            "tokenizer_loaded": self.tokenizer is not None})
+            "tokenizer_loaded": self.tokenizer is not None,
+            "median_tokenize_ms": statistics.median(self.tokenize_seconds) * 1e3 if self.tokenize_seconds else None})
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
     async def proxy(self, request: Request, path: str) -> Response:

@@ -22,7 +22,7 @@ from radixlm.runtime.bench.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 SERVER_FLAGS = ("--weight-dtype", "model", "--max-total-tokens", "16384", "--log-level", "warning")
-CONVERSATIONS, TURNS, OUTPUT_LEN, USER_CHARS = 6, 3, 16, 300
+CONVERSATIONS, TURNS, OUTPUT_LEN, USER_CHARS = 5, 4, 16, 300
 
 
 def _server_processes() -> dict[int, int]:
@@ -99,12 +99,12 @@ def test_cache_aware_routing_keeps_more_hits_than_pow2_with_single_server_output
     runs = {}
     for policy in ("cache_aware", "pow2"):
         httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
-        runs[policy] = replay_chats(url, conversations, OUTPUT_LEN, workers=2, headers={"x-radixlm-routing": policy})
+        runs[policy] = replay_chats(url, conversations, OUTPUT_LEN, workers=1, headers={"x-radixlm-routing": policy})
     ca, p2 = summarize(runs["cache_aware"]), summarize(runs["pow2"])
     assert ca["failed"] == p2["failed"] == 0, (ca, p2)
     assert ca["turns"] == p2["turns"] == sum(len(c) for c in conversations)
-    # cache-aware: each turn finds its whole history; pow2 loses it whenever the turn lands
-    # on the other replica (measured: 0.62 vs 0.37 on the 2-core box)
+    # one conversation at a time, so the loads stay balanced: cache-aware sends each turn to
+    # its history; pow2 picks either idle replica and loses the history half the time
     assert ca["hit_rate"] > 0.5 and ca["hit_rate"] > p2["hit_rate"] + 0.1, (ca, p2)
     decisions = _replicas(url)["router"]["decisions"]
     assert decisions.get("prefix", 0) >= CONVERSATIONS * (TURNS - 1) // 2, decisions
