@@ -108,9 +108,14 @@ def test_approximate_mode_uses_the_prompt_trees():
 
 
 def test_cache_aware_policy_trims_its_trees_to_the_capacity():
+    ticks = iter(range(100))
     policy = CacheAwarePolicy(page_size=2, capacity_tokens=8)  # 4 pages
-    policy.record("x", list(range(12)))
-    assert policy.trees["x"].cached_pages == 4
+    policy.add("x")
+    policy.trees["x"]._clock = lambda: float(next(ticks))
+    policy.record("x", list(range(8)))  # 4 pages
+    policy.record("x", [50, 51, 52, 53, 54])  # 2 more: the older prompt's leaf goes (LRU, whole)
+    assert policy.trees["x"].cached_pages == 2
+    assert policy.matched([50, 51, 52, 53]) == {"x": 4} and policy.matched(list(range(8))) == {"x": 0}
     assert policy.choose([1, 2], {"x": 0, "y": 0}).replica == "y"  # room: y has none
     with pytest.raises(ValueError, match="no replica"):
         policy.choose([1], {})
@@ -162,3 +167,24 @@ def test_deploy_config_from_a_config_file_and_the_cli():
     assert parse_args(["--replicas", "2", "--page-size", "8"]).server_args == ("--page-size", "8")
     with pytest.raises(SystemExit):
         parse_args(["--routing", "random"])
+
+
+def test_the_application_scales_on_queue_length_and_routes_by_prefix():
+    """build_app wires DeployConfig into Ray Serve's options (no cluster needed to build)."""
+    from radixlm.runtime.deploy.app import DeployConfig, build_app
+
+    app = build_app(DeployConfig(replicas=2, max_replicas=4, target_ongoing_requests=3, routing_mode="approximate",
+                                 health_check_period_s=1.5, server_args=("--page-size", "32")))
+    ingress = app._bound_deployment
+    server = ingress.init_args[0]._bound_deployment
+    config = server._deployment_config
+    scaling = config.autoscaling_config
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (2, 2, 4)
+    assert scaling.target_ongoing_requests == 3
+    router = config.request_router_config
+    assert router.request_router_class == "radixlm.runtime.deploy.router.PrefixCacheRouter"
+    assert router.request_router_kwargs == {"policy": "cache_aware", "mode": "approximate"}
+    assert config.health_check_period_s == 1.5
+    assert ingress.init_args[0]._bound_deployment.init_args == (["--page-size", "32"], False)
+    fixed = build_app(DeployConfig(replicas=3))._bound_deployment.init_args[0]._bound_deployment._deployment_config
+    assert fixed.num_replicas == 3 and fixed.autoscaling_config is None
