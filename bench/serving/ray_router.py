@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=24, help="reply tokens per turn")
     p.add_argument("--user-chars", type=int, default=400, help="user messages cut to this many characters")
     p.add_argument("--workers", type=int, default=4, help="conversations in flight")
+    p.add_argument("--think-time", type=float, default=0.0, help="mean seconds a user waits before the next turn")
+    p.add_argument("--deploy-args", default="", help="serve-ray flags, e.g. '--balance-abs 4'")
     p.add_argument("--server-args", default="--weight-dtype auto --log-level warning",
                    help="launch_server flags of every replica")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ray_router.json")
@@ -48,7 +50,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from radixlm.runtime.deploy.app import DeployConfig, build_app
+    from radixlm.runtime.deploy.app import build_app, parse_args
 
     convs = multiturn_conversations(None, args.conversations, seed=0, max_turns=args.turns, output_len=args.output_len)
     conversations = [[u[: args.user_chars] for u in c.users] for c in convs]
@@ -59,7 +61,8 @@ def main() -> None:
               "args": {k: str(v) for k, v in vars(args).items()}, "load_average": {}, "runs": {}}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = DeployConfig(replicas=args.replicas, server_args=tuple(args.server_args.split()))
+        config = parse_args([*args.deploy_args.split(), "--replicas", str(args.replicas), "--",
+                             *args.server_args.split()])
         serve.run(build_app(config), name="radixlm", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         while not httpx.get(f"{url}/radixlm/replicas", timeout=60).json()["tokenizer_loaded"]:
@@ -70,7 +73,7 @@ def main() -> None:
             result["load_average"][f"{policy}_start"] = os.getloadavg()
             start = time.perf_counter()
             turns = replay_chats(url, conversations, args.output_len, workers=args.workers,
-                                 headers={"x-radixlm-routing": policy})
+                                 headers={"x-radixlm-routing": policy}, think_time_s=args.think_time)
             result["runs"][policy] = {**summarize(turns), "duration_s": time.perf_counter() - start}
             info = httpx.get(f"{url}/radixlm/replicas", timeout=60).json()
             result["runs"][policy]["router_decisions"] = info["router"]["decisions"]

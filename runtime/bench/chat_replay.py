@@ -2,7 +2,8 @@
 official ``openai`` client: each turn sends the whole history (the server's own earlier
 replies included) plus the next user message, streamed, greedy, exactly ``output_len``
 tokens (``ignore_eos``). Workers take conversations from a shared queue, so up to
-``workers`` turns are in flight. Per turn: the reply, time to first token, latency, prompt
+``workers`` turns are in flight; ``think_time_s`` > 0 puts an exponential pause of that mean
+(seeded per conversation) before each later turn, as a user reading the reply. Per turn: the reply, time to first token, latency, prompt
 and cached tokens (``usage.prompt_tokens_details.cached_tokens``). Used by the Ray Serve
 tests and bench/serving/ray_router.py.
 """
@@ -10,10 +11,11 @@ tests and bench/serving/ray_router.py.
 from __future__ import annotations
 
 import queue
+import random
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["TurnResult", "replay_chats", "summarize"]
@@ -33,7 +35,7 @@ class TurnResult:
 
 def replay_chats(base_url: str, conversations: Sequence[Sequence[str]], output_len: int, workers: int = 4,
                  headers: dict[str, str] | None = None, model: str = "default",
-                 timeout_s: float = 600.0) -> list[TurnResult]:
+                 timeout_s: float = 600.0, think_time_s: float = 0.0, seed: int = 0) -> list[TurnResult]:
     """Replay ``conversations`` (each a list of user messages) against ``base_url`` (the
     server root; ``/v1`` is added). Returns every turn's result, by conversation then turn;
     a failed turn ends its conversation (``error`` set)."""
@@ -52,7 +54,9 @@ def replay_chats(base_url: str, conversations: Sequence[Sequence[str]], output_l
                 index = todo.get_nowait()
             except queue.Empty:
                 return
-            results[index] = _converse(client, model, index, conversations[index], output_len)
+            pauses = random.Random(seed * 100_003 + index)
+            results[index] = _converse(client, model, index, conversations[index], output_len,
+                                       lambda pauses=pauses: pauses.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0)
 
     threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
     for t in threads:
@@ -62,10 +66,13 @@ def replay_chats(base_url: str, conversations: Sequence[Sequence[str]], output_l
     return [turn for index in sorted(results) for turn in results[index]]
 
 
-def _converse(client, model: str, index: int, users: Sequence[str], output_len: int) -> list[TurnResult]:
+def _converse(client, model: str, index: int, users: Sequence[str], output_len: int,
+              think: Callable[[], float]) -> list[TurnResult]:
     history: list[dict[str, str]] = []
     out = []
     for turn, user in enumerate(users):
+        if turn:
+            time.sleep(think())
         history.append({"role": "user", "content": user})
         result = TurnResult(index, turn)
         start = time.perf_counter()

@@ -61,6 +61,12 @@ class DeployConfig:
     routing_mode: str = _opt(
         "precise", "How the router knows the replicas' caches: precise (the servers' KV events) or "
         "approximate (its own tree of what it sent where; no events).", ROUTING_MODES)
+    cache_threshold: float = _opt(
+        0.5, "cache_aware: a cached prefix decides only when it covers more than this fraction of the prompt.")
+    balance_abs: float = _opt(
+        32, "cache_aware: loads are imbalanced (power of two choices decides) when the most loaded "
+        "replica has more than this many more requests in flight than the least loaded ...")
+    balance_rel: float = _opt(1.0001, "... and more than this many times as many.")
     replica_num_cpus: float = _opt(1.0, "CPUs Ray reserves per replica (its server's threads: OMP_NUM_THREADS).")
     replica_num_gpus: float = _opt(0.0, "GPUs Ray reserves per replica (--tp-size x --dp-size on CUDA).")
     health_check_period_s: float = _opt(2.0, "Seconds between health checks of each replica's server.")
@@ -81,6 +87,8 @@ class DeployConfig:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
         if self.routing_mode not in ROUTING_MODES:
             raise ValueError(f"--routing-mode must be one of {', '.join(ROUTING_MODES)}")
+        if not 0 <= self.cache_threshold <= 1 or self.balance_abs < 0 or self.balance_rel < 1:
+            raise ValueError("need 0 <= --cache-threshold <= 1, --balance-abs >= 0, --balance-rel >= 1")
         if self.target_ongoing_requests <= 0 or self.max_ongoing_requests < 1:
             raise ValueError("--target-ongoing-requests must be > 0 and --max-ongoing-requests >= 1")
         args = parse_server_args(list(self.server_args))
@@ -132,7 +140,9 @@ def build_app(args: dict[str, Any] | DeployConfig | None = None) -> Any:
             target_ongoing_requests=config.target_ongoing_requests)}
     router = RequestRouterConfig(
         request_router_class=f"{PrefixCacheRouter.__module__}.{PrefixCacheRouter.__qualname__}",
-        request_router_kwargs={"policy": config.routing, "mode": config.routing_mode},
+        request_router_kwargs={"policy": config.routing, "mode": config.routing_mode,
+                               "cache_threshold": config.cache_threshold, "balance_abs": config.balance_abs,
+                               "balance_rel": config.balance_rel},
         request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0)
     server = serve.deployment(RadixLMServer).options(
         name=SERVER_DEPLOYMENT, max_ongoing_requests=config.max_ongoing_requests,

@@ -66,6 +66,7 @@ class ReplicaRouting:
         self.index = KVBlockIndex(group=lambda source: source[0])
         self.subscribers: dict[str, list[KVEventSubscriber]] = {}
         self.inflight: dict[str, int] = {}
+        self.meta: dict[str, dict] = {}  # replica -> its record_replica_metadata
         self.kv_usage: dict[str, float] = {}
         self.provisional: dict[int, dict[str, float]] = {}  # block hash -> replica -> expiry
         self.provisional_s = provisional_s
@@ -79,10 +80,16 @@ class ReplicaRouting:
         for replica in [r for r in self.inflight if r not in replicas]:
             self.remove(replica)
         for replica, meta in replicas.items():
-            if replica not in self.inflight:
+            if replica in self.inflight and not self.meta.get(replica) and meta:  # its metadata came late
+                load = self.inflight[replica]
+                self.remove(replica)
+                self.add(replica, meta)
+                self.inflight[replica] = load
+            elif replica not in self.inflight:
                 self.add(replica, meta)
 
     def add(self, replica: str, meta: dict) -> None:
+        self.meta[replica] = meta
         if self.cache is None and meta.get("page_size"):
             self.cache = CacheAwarePolicy(meta["page_size"], meta.get("max_total_tokens") or 2**20, **self._thresholds)
         self.inflight.setdefault(replica, 0)
@@ -106,6 +113,7 @@ class ReplicaRouting:
         for source in [s for s in self.index.sources() if s[0] == replica]:
             self.index.drop(source)
         self.inflight.pop(replica, None)
+        self.meta.pop(replica, None)
         self.kv_usage.pop(replica, None)
         if self.cache is not None:
             self.cache.drop(replica)

@@ -593,8 +593,9 @@ class Scheduler:
         return worked
 
     def close(self) -> None:
-        """Stop the grammar compiler's worker thread and the disk tier's I/O threads (after
-        the writes queued so far; the model is freed with the object)."""
+        """Stop the grammar compiler's worker thread, the KV event publisher (after the batches
+        queued so far) and the disk tier's I/O threads (after the writes queued so far; the
+        model is freed with the object)."""
         if self._grammars is not None:
             self._grammars.close()
         if self.kv_publisher is not None:

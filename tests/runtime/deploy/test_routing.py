@@ -94,8 +94,10 @@ def test_a_removed_replica_is_forgotten(routing):
     assert "a" not in routing.inflight and "a" not in routing.cache.trees
     assert routing.index.group_blocks("a") == 0
     assert routing.decide(list(range(16)), ["b"]).ranks == [["b"]]
+    routing.sync({"b": _meta("b"), "c": {}})  # metadata not known yet: no events, no cache view
+    assert not routing.subscribers["c"]
     routing.sync({"b": _meta("b"), "c": _meta("c")})
-    assert FakeSubscriber.made[-1].endpoint == "tcp://c:1"
+    assert FakeSubscriber.made[-1].endpoint == "tcp://c:1" and len(routing.subscribers["c"]) == 1
 
 
 def test_approximate_mode_uses_the_prompt_trees():
@@ -183,7 +185,8 @@ def test_the_application_scales_on_queue_length_and_routes_by_prefix():
     assert scaling.target_ongoing_requests == 3
     router = config.request_router_config
     assert router.request_router_class == "radixlm.runtime.deploy.router.PrefixCacheRouter"
-    assert router.request_router_kwargs == {"policy": "cache_aware", "mode": "approximate"}
+    assert router.request_router_kwargs == {"policy": "cache_aware", "mode": "approximate", "cache_threshold": 0.5,
+                                            "balance_abs": 32, "balance_rel": 1.0001}
     assert config.health_check_period_s == 1.5
     assert ingress.init_args[0]._bound_deployment.init_args == (["--page-size", "32"], False)
     fixed = build_app(DeployConfig(replicas=3))._bound_deployment.init_args[0]._bound_deployment._deployment_config
