@@ -10,7 +10,8 @@ of that replica's prefix cache, trimmed to its KV capacity by LRU. For a prompt:
    replica (the caller balances: least loaded, or power of two choices);
 2. else the replica whose cache matches the longest prefix (ties: the less loaded), when
    that covers more than ``cache_threshold`` of the prompt: "prefix";
-3. else the replica with the most room, fewest cached pages (ties: less loaded): "room".
+3. else "room": the replica with the fewest cached pages (ties: the less loaded), or with
+   ``room_by="load"`` the least loaded one (ties: fewer cached pages).
 
 A caller that knows the replicas' caches exactly (KV events, runtime/kv_events.py) passes
 its own ``matched`` and ``cached`` numbers instead of the trees'. Keys are any hashable
@@ -47,7 +48,10 @@ class CacheAwarePolicy:
     (tokens); ``capacity_tokens``: one replica's KV capacity (its tree is trimmed to it)."""
 
     def __init__(self, page_size: int, capacity_tokens: int, cache_threshold: float = CACHE_THRESHOLD,
-                 balance_abs: float = BALANCE_ABS, balance_rel: float = BALANCE_REL) -> None:
+                 balance_abs: float = BALANCE_ABS, balance_rel: float = BALANCE_REL, room_by: str = "cached") -> None:
+        if room_by not in ("cached", "load"):
+            raise ValueError(f"room_by must be 'cached' or 'load', got {room_by!r}")
+        self.room_by = room_by
         self.page_size = page_size
         self.capacity_pages = max(1, capacity_tokens // page_size)
         self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
@@ -90,7 +94,10 @@ class CacheAwarePolicy:
             return RoutingChoice(best, "prefix", matched[best])
         if cached is None:
             cached = {r: tree.cached_pages for r, tree in self.trees.items()}
-        room = min(loads, key=lambda r: (cached.get(r, 0), loads[r]))
+        if self.room_by == "load":
+            room = min(loads, key=lambda r: (loads[r], cached.get(r, 0)))
+        else:
+            room = min(loads, key=lambda r: (cached.get(r, 0), loads[r]))
         return RoutingChoice(room, "room", matched.get(room, 0))
 
     def record(self, replica: Hashable, ids: Sequence[int]) -> None:

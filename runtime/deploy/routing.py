@@ -11,6 +11,11 @@ Per replica (by its unique id) it knows:
 * its load: the requests this router has in flight there (``started`` / ``finished``),
   and the ``kv_usage`` of its last routing stats.
 
+A prompt no replica holds enough of goes to the least loaded replica (ties: fewer cached
+blocks, then lower KV usage): new conversations spread by load while the old ones stay
+with their caches (radix/routing.py's ``room_by="load"``; the in-process DP router takes the
+emptiest cache instead).
+
 ``decide`` returns the ranks Ray Serve tries in order (each rank: the replicas it may pick
 from, the shortest queue first), or None for power of two choices: policy ``pow2``, no
 prompt, or loads imbalanced (radix/routing.py's test).
@@ -91,7 +96,8 @@ class ReplicaRouting:
     def add(self, replica: str, meta: dict) -> None:
         self.meta[replica] = meta
         if self.cache is None and meta.get("page_size"):
-            self.cache = CacheAwarePolicy(meta["page_size"], meta.get("max_total_tokens") or 2**20, **self._thresholds)
+            self.cache = CacheAwarePolicy(meta["page_size"], meta.get("max_total_tokens") or 2**20, room_by="load",
+                                          **self._thresholds)
         self.inflight.setdefault(replica, 0)
         if self.cache is not None:
             self.cache.add(replica)

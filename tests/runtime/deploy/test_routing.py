@@ -59,7 +59,9 @@ def test_precise_routing_follows_the_events(routing):
     assert (d.ranks, d.reason, d.matched_tokens) == ([["b"], ["a"]], "prefix", 12)
     sub_b.feed(kv.BlockRemoved(block_hashes=kv.block_hashes(prompt[:12], PAGE)[1:], medium="GPU"))
     d = routing.decide(prompt + [5], ["a", "b"])  # b keeps 1 page of 17 tokens: below half
-    assert (d.ranks[0], d.reason) == (["b"], "room")  # b holds 1 block, a 2: b has more room
+    assert (d.ranks[0], d.reason) == (["b"], "room")  # equal loads; b holds 1 block, a 2
+    routing.started("b", None)
+    assert routing.decide(prompt + [5], ["a", "b"]).ranks[0] == ["a"]  # room goes by load first
     sub_b.feed(kv.AllBlocksCleared())
     assert routing.index.group_blocks("b") == 0
 
