@@ -20,7 +20,8 @@ replica flushed), ``GET /debug/check_invariants`` (``ok`` if every replica is; c
 summed; per replica under ``replicas``), ``GET /metrics`` (counters and histograms summed,
 gauges summed except usage / rate / ratio gauges, averaged), and ``GET /radixlm/replicas``
 (each replica's id, server pid and URL, KV event endpoints; the router's decision counts,
-median decision time and per-replica view; the median time to tokenize a prompt).
+median decision time and per-replica view; the median time to tokenize a prompt; how many
+tries did not reach a live server).
 """
 
 import asyncio
@@ -156,6 +157,7 @@ class RadixLMIngress:
         self._tokenizer_lock = asyncio.Lock()
         self._tokenizer_task: asyncio.Future | None = None
         self.tokenize_seconds: deque[float] = deque(maxlen=100_000)  # prompt_ids per prompt
+        self.retried = 0  # tries that did not reach a live server (another replica was tried)
         self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="radixlm-ingress-tokenizer-")
 
     # ------------------------------------------------------------------ tokenizer
@@ -195,11 +197,13 @@ class RadixLMIngress:
             try:
                 head = await gen.__anext__()
             except Exception as exc:  # the replica actor died or could not be reached
+                self.retried += 1
                 last = f"replica failed before answering: {exc!r}"
                 await asyncio.sleep(0.2 * (attempt + 1))
                 continue
             if not head.retryable:
                 return head, gen
+            self.retried += 1
             last = orjson.loads(head.body)["error"]["message"]
             req = dataclasses.replace(req, exclude=(*req.exclude, head.replica))
         return ProxyResponse(503, [("content-type", "application/json")],
@@ -304,7 +308,7 @@ class RadixLMIngress:
                        "decisions": dict(router.reasons) if router else {},
                        "median_decision_ms": statistics.median(decisions) * 1e3 if decisions else None,
                        **(router.routing.describe() if router else {})},
-            "tokenizer_loaded": self.tokenizer is not None,
+            "tokenizer_loaded": self.tokenizer is not None, "retried": self.retried,
             "median_tokenize_ms": statistics.median(self.tokenize_seconds) * 1e3 if self.tokenize_seconds else None})
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])

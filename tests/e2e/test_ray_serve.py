@@ -146,7 +146,16 @@ def test_a_killed_server_ends_every_request_and_its_replica_comes_back(ray_app) 
     for t in threads:
         t.start()
     time.sleep(3)  # the requests are running on both replicas
+    retried = before["retried"]
     os.kill(victim["server_pid"], signal.SIGKILL)
+    time.sleep(0.3)  # the victim's streams fail; Ray's health check has not noticed yet
+    quick: list = []  # new requests in that window: the dead one's are retried on the other replica
+    for i in range(3):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "default", "prompt": f"{i} quick", "max_tokens": 2},
+                       timeout=180)
+        quick.append((r.status_code, r.json().get("usage", {}).get("completion_tokens")))
+    assert quick == [(200, 2)] * 3, quick
+    assert _replicas(url)["retried"] > retried
     for t in threads:
         t.join(200)
     assert not any(t.is_alive() for t in threads), "a request hung"
