@@ -193,3 +193,17 @@ def test_the_application_scales_on_queue_length_and_routes_by_prefix():
     assert ingress.init_args[0]._bound_deployment.init_args == (["--page-size", "32"], False)
     fixed = build_app(DeployConfig(replicas=3))._bound_deployment.init_args[0]._bound_deployment._deployment_config
     assert fixed.num_replicas == 3 and fixed.autoscaling_config is None
+
+
+def test_serve_ray_refuses_bad_flags_before_starting_ray(capsys):
+    from radixlm.runtime.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["serve-ray", "--replicas", "0"])
+    assert exc.value.code == 2 and "--replicas must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["serve-ray", "--", "--kv-events-endpoint", "nope"])
+    assert exc.value.code == 2 and "bad launch_server flags" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["--help"])
+    assert "serve-ray" in capsys.readouterr().out
