@@ -8,8 +8,9 @@ the ingress). Per call, with a ``ProxyRequest`` as the first argument:
 
 * ``pin`` set: that replica only (admin calls sent to each replica);
 * policy ``pow2``, no ``routing_ids``, or imbalanced loads: Ray Serve's own power of two
-  choices (``PowerOfTwoChoicesRequestRouter.choose_replicas``, the default router), among
-  the replicas not in ``exclude``;
+  choices (``PowerOfTwoChoicesRequestRouter.choose_replicas``, the default router's choice;
+  each chosen replica goes to the request it was chosen for, not FIFO), among the replicas
+  not in ``exclude``;
 * else the ranks of ``ReplicaRouting.decide``: the replica holding the longest prefix (or
   with the most room), then the others by load; Ray Serve takes the first rank whose
   replica accepts (below ``max_ongoing_requests``).
@@ -28,7 +29,13 @@ from typing import Any
 
 from ray.serve._private.common import ReplicaID
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+)
 
 from radixlm.runtime.deploy import routing as routing_state
 from radixlm.runtime.deploy.protocol import ProxyRequest
@@ -50,8 +57,11 @@ def _proxy_request(pending: PendingRequest | None) -> ProxyRequest | None:
     return pending.args[0]
 
 
-class PrefixCacheRouter(PowerOfTwoChoicesRequestRouter):
-    """Prefix-cache-aware routing for radixlm replicas (module docstring)."""
+class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Prefix-cache-aware routing for radixlm replicas (module docstring). Not FIFO (as Ray's
+    own ``PrefixCacheAffinityRouter``): Ray Serve's ``FIFOMixin`` hands a chosen replica to the
+    oldest waiting request, which would send one prompt to the replica chosen for another's
+    prefix (and a pinned call elsewhere); without it each choice goes to its own request."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         """``kwargs``: ``ReplicaRouting``'s (``policy``, ``mode``, ``cache_threshold``,
@@ -90,7 +100,7 @@ class PrefixCacheRouter(PowerOfTwoChoicesRequestRouter):
         if decision.ranks is not None:
             ranks = [[by_id[r] for r in rank] for rank in decision.ranks]
         elif len(candidates) == len(candidate_replicas):
-            ranks = await super().choose_replicas(candidate_replicas, pending_request)
+            ranks = await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         else:
             ranks = [random.sample(candidates, min(2, len(candidates)))]
         self.decision_seconds.append(time.perf_counter() - start)
