@@ -7,8 +7,8 @@ tokenizes the prompt as the server will (``/generate``: ``input_ids`` or ``text`
 ``/v1/completions``: ``prompt``; ``/v1/chat/completions``: the chat template over
 ``messages`` and ``tools``; a batch by its first prompt) so that the router can match it
 against the replicas' caches; a body it cannot read is routed by load and left for the
-server to refuse. The tokenizer's files come from a replica: the first prompt starts
-loading them in the background and prompts are routed by load until they are in.
+server to refuse. The tokenizer's files come from a replica when the first prompt arrives
+(prompts arriving while they load are routed by load).
 
 Failover: an answer marked ``retryable`` (the replica's server never got the request) or a
 replica that dies before answering makes the ingress try another replica, ``MAX_ATTEMPTS``
@@ -134,11 +134,6 @@ def merge_metrics(texts: list[str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _log_failure(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("cannot load the tokenizer for routing (routing by load): %r", task.exception())
-
-
 def _auto_tokenizer(folder: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -155,7 +150,6 @@ class RadixLMIngress:
         self.server_deployment = server_deployment
         self.tokenizer: Any = None
         self._tokenizer_lock = asyncio.Lock()
-        self._tokenizer_task: asyncio.Future | None = None
         self.tokenize_seconds: deque[float] = deque(maxlen=100_000)  # prompt_ids per prompt
         self.retried = 0  # tries that did not reach a live server (another replica was tried)
         self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="radixlm-ingress-tokenizer-")
@@ -173,15 +167,18 @@ class RadixLMIngress:
         return self.tokenizer
 
     async def _routing_ids(self, path: str, body: bytes) -> list[int] | None:
-        """The prompt's ids for the router; None (route by load) until the tokenizer is
-        loaded, which the first prompt starts in the background."""
+        """The prompt's ids for the router. The first prompt loads the tokenizer (prompts
+        arriving meanwhile are routed by load: None)."""
         if path not in PROMPT_PATHS:
             return None
         if self.tokenizer is None:
-            if self._tokenizer_task is None or self._tokenizer_task.done() and self._tokenizer_task.exception():
-                self._tokenizer_task = asyncio.ensure_future(self._load_tokenizer())
-                self._tokenizer_task.add_done_callback(_log_failure)
-            return None
+            if self._tokenizer_lock.locked():
+                return None
+            try:  # not in the background: Ray Serve gives every handle call of one request the
+                await self._load_tokenizer()  # same internal id, and the router matches by it
+            except Exception:
+                logger.exception("cannot load the tokenizer for routing; routing by load")
+                return None
         start = time.perf_counter()
         ids = prompt_ids(self.tokenizer, path, body)
         self.tokenize_seconds.append(time.perf_counter() - start)
@@ -248,13 +245,16 @@ class RadixLMIngress:
         return []
 
     async def _each(self, method: str, req: ProxyRequest) -> list[Any]:
-        """``method`` called on every replica with ``req`` pinned to it."""
-        ids = await self._replica_ids()
-        if method == "forward":
-            calls = [self._forward_pinned(dataclasses.replace(req, pin=rid)) for rid in ids]
-        else:
-            calls = [self.server.options(method_name=method).remote(dataclasses.replace(req, pin=rid)) for rid in ids]
-        return list(await asyncio.wait_for(asyncio.gather(*calls), ADMIN_TIMEOUT_S))
+        """``method`` called on every replica with ``req`` pinned to it, one replica after
+        the other (concurrent calls of one request would share its internal id, by which Ray
+        Serve's router hands chosen replicas to calls)."""
+        out = []
+        for rid in await self._replica_ids():
+            pinned = dataclasses.replace(req, pin=rid)
+            call = (self._forward_pinned(pinned) if method == "forward"
+                    else self.server.options(method_name=method).remote(pinned))
+            out.append(await asyncio.wait_for(call, ADMIN_TIMEOUT_S))
+        return out
 
     async def _forward_pinned(self, req: ProxyRequest) -> ProxyResponse:
         gen = self.server.options(stream=True).forward.remote(req)
