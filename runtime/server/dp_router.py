@@ -19,6 +19,13 @@ Policies (``--dp-routing``):
   longest prefix, when that covers more than ``CACHE_THRESHOLD`` of the prompt; else the
   replica whose tree is smallest (most room to cache).
 * ``round_robin``: replicas in turn (baseline: shared prefixes land anywhere).
+
+A request's ``data_parallel_rank`` (SGLang's field) overrides the policy. With the peer KV
+tier (``peer_hints``, ``--enable-peer-kv``) the router keeps the trees under either policy
+and, when the replica it picked matches a shorter prefix than another one (by a page or
+more), tells it where the longer one went: ``GenerateReq.peer_rank`` / ``peer_tokens``. That
+replica's scheduler may then fetch the pages from there (scheduler/peer.py) instead of
+recomputing them; the hint is never trusted (the other replica may have evicted them).
 """
 
 from __future__ import annotations
@@ -39,12 +46,14 @@ BALANCE_REL = 1.0001
 
 class DPRouter:
     """Routes messages over ``socks`` (one per replica, in dp-rank order). ``capacity_tokens``:
-    each replica's KV capacity (its tree is trimmed to it); ``page_size``: the radix pages."""
+    each replica's KV capacity (its tree is trimmed to it); ``page_size``: the radix pages;
+    ``peer_hints``: attach peer KV hints (module doc)."""
 
-    def __init__(self, socks: list[Any], policy: str, capacity_tokens: int, page_size: int) -> None:
+    def __init__(self, socks: list[Any], policy: str, capacity_tokens: int, page_size: int,
+                 peer_hints: bool = False) -> None:
         if policy not in DP_ROUTING_POLICIES:
             raise ValueError(f"unknown --dp-routing {policy!r} (choices: {', '.join(DP_ROUTING_POLICIES)})")
-        self.socks, self.policy = socks, policy
+        self.socks, self.policy, self.peer_hints = socks, policy, peer_hints
         self.num_replicas = len(socks)
         self.loads = [0] * len(socks)  # samples in flight per replica
         self.routed = [0] * len(socks)  # samples sent per replica, ever
@@ -57,7 +66,9 @@ class DPRouter:
     # -------------------------------------------------------------- MsgSocket's shape
     def asend_nowait(self, msg: m.Message) -> None:
         if isinstance(msg, m.GenerateReq):
-            replica = self.pick(msg.input_ids)
+            replica, hint = self.route(msg.input_ids, msg.data_parallel_rank)
+            if hint is not None:
+                msg.peer_rank, msg.peer_tokens = hint
             self.where[msg.rid] = replica
             self.loads[replica] += 1
             self.routed[replica] += 1
@@ -81,22 +92,41 @@ class DPRouter:
             sock.close()
 
     # -------------------------------------------------------------------- the policy
-    def pick(self, ids: list[int]) -> int:
-        """The replica for a prompt of ``ids`` (and, cache-aware, record it there)."""
-        if self.policy == "round_robin":
-            return next(self._turn) % self.num_replicas
-        loads = self.loads
-        if max(loads) - min(loads) > BALANCE_ABS and max(loads) > BALANCE_REL * min(loads):
-            replica = loads.index(min(loads))
+    def pick(self, ids: list[int], requested: int | None = None) -> int:
+        """The replica for a prompt of ``ids`` (``route``'s, without the hint)."""
+        return self.route(ids, requested)[0]
+
+    def route(self, ids: list[int], requested: int | None = None) -> tuple[int, tuple[int, int] | None]:
+        """The replica for a prompt of ``ids`` (``requested``: the client's choice, in range)
+        and, with ``peer_hints``, (replica, tokens) of another replica whose tree matches at
+        least a page more of it (None otherwise). Records the prompt in the chosen
+        replica's tree (cache-aware, or with hints)."""
+        matched = None
+        if requested is not None:
+            replica = requested
+        elif self.policy == "round_robin":
+            replica = next(self._turn) % self.num_replicas
         else:
+            loads = self.loads
             matched = [tree.peek_prefix(ids).num_tokens for tree in self.trees]
-            best = max(range(self.num_replicas), key=lambda i: (matched[i], -loads[i]))
-            if matched[best] > CACHE_THRESHOLD * len(ids):
-                replica = best
+            if max(loads) - min(loads) > BALANCE_ABS and max(loads) > BALANCE_REL * min(loads):
+                replica = loads.index(min(loads))
             else:
-                replica = min(range(self.num_replicas), key=lambda i: (self.trees[i].cached_pages, loads[i]))
-        self._remember(replica, ids)
-        return replica
+                best = max(range(self.num_replicas), key=lambda i: (matched[i], -loads[i]))
+                if matched[best] > CACHE_THRESHOLD * len(ids):
+                    replica = best
+                else:
+                    replica = min(range(self.num_replicas), key=lambda i: (self.trees[i].cached_pages, loads[i]))
+        hint = None
+        if self.peer_hints:
+            if matched is None:
+                matched = [tree.peek_prefix(ids).num_tokens for tree in self.trees]
+            source = max(range(self.num_replicas), key=lambda i: matched[i])
+            if matched[source] >= matched[replica] + self.trees[0].page_size:
+                hint = (source, matched[source])
+        if self.policy == "cache_aware" or self.peer_hints:
+            self._remember(replica, ids)
+        return replica, hint
 
     def _remember(self, replica: int, ids: list[int]) -> None:
         tree = self.trees[replica]
