@@ -257,9 +257,12 @@ class ServerArgs:
         "The replicas' schedulers meet at --dist-init-addr's port + --dp-size (default: a free "
         "local port).")
     peer_kv_timeout_s: float = _opt(
-        1.0, "Longest a request waits for a peer's KV pages before it is admitted and recomputes them "
-        "(it also waits no longer than recomputing them would take, but at least 50 ms); pages "
-        "that arrive later are still cached.")
+        1.0, "Longest a request waits for a peer's KV pages before it is admitted and recomputes them; "
+        "it also waits no longer than recomputing them would take, but at least --peer-kv-min-wait-s. "
+        "Pages that arrive later are still cached.")
+    peer_kv_min_wait_s: float = _opt(
+        0.05, "Shortest wait for a peer's KV pages (about one turn of a busy peer's scheduler loop; "
+        "capped by --peer-kv-timeout-s).")
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
     radix_eviction_policy: str = _opt(
         "lru",
@@ -499,8 +502,10 @@ class ServerArgs:
                 raise ValueError("--enable-peer-kv takes float KV caches only (--kv-cache-dtype auto, bf16, "
                                  "fp16): FP8 pages read per-replica exact-sink slots, int4 / mixed pages live in "
                                  "two representations")
-        if not 0 <= self.peer_kv_timeout_s < math.inf:
-            raise ValueError("--peer-kv-timeout-s must be a finite number >= 0")
+        for flag, value in (("--peer-kv-timeout-s", self.peer_kv_timeout_s),
+                            ("--peer-kv-min-wait-s", self.peer_kv_min_wait_s)):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{flag} must be a finite number >= 0")
         if self.tp_size > 1:
             if self.hicache_enabled:
                 raise ValueError("the hierarchical cache (--hicache-*) does not support --tp-size > 1 yet")

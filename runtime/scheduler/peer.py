@@ -18,7 +18,7 @@ replicas' schedulers exchange ``PeerFetchReq`` / ``PeerFetchOut`` over ZeroMQ.
 
 Both sides post their point-to-point op at a loop-turn boundary and neither ever blocks
 on the other: the ops are asynchronous and polled (``PeerTransfer.done``). A request
-waits for its fetch at most ``min(timeout_s, max(recompute estimate, PEER_MIN_WAIT_S))``,
+waits for its fetch at most ``min(timeout_s, max(recompute estimate, min_wait_s))``,
 then is admitted and recomputes what is missing; the pages, when they come, are still
 inserted (cache for the next request). Its own prefix is locked only while some request
 waits. Failure handling, all ending in a recompute:
@@ -48,10 +48,9 @@ from radixlm.radix.tree import TreeNode
 from radixlm.runtime import messages as m
 from radixlm.runtime.memory.cost_model import TierCostModel
 
-__all__ = ["PEER_FORGET_S", "PEER_MAX_FETCH_BYTES", "PEER_MIN_WAIT_S", "PeerCache"]
+__all__ = ["PEER_FORGET_S", "PEER_MAX_FETCH_BYTES", "PEER_MAX_INFLIGHT_BYTES", "PeerCache"]
 
 logger = logging.getLogger("radixlm.peer")
-PEER_MIN_WAIT_S = 0.05  # a request waits at least this long (about one turn of a busy peer's loop)
 PEER_FORGET_S = 600.0  # an unanswered fetch nobody waits for is forgotten after this
 PEER_MAX_FETCH_BYTES = 512 << 20  # pages of one fetch (the staging tensor on each side)
 PEER_MAX_INFLIGHT_BYTES = 1 << 30  # per peer: sends not yet received (serving), fetches in flight (asking)
@@ -83,13 +82,14 @@ class PeerCache:
     ``recv(src, n, tag)``, ``write(transfer, pages, skip)``, ``page_bytes``; transfers have
     ``done()``, ``error()``, ``num_pages``); ``outboxes``: dp rank -> a socket with
     ``try_send(msg) -> bool`` to that replica's scheduler; ``costs``: a ``TierCostModel``
-    with a ``peer`` rate; ``timeout_s``: ``--peer-kv-timeout-s``.
+    with a ``peer`` rate; ``timeout_s``, ``min_wait_s``: ``--peer-kv-timeout-s``,
+    ``--peer-kv-min-wait-s`` (the wait rule in the module doc).
     """
 
     def __init__(self, rank: int, cache: Any, link: Any, outboxes: dict[int, Any], costs: TierCostModel,
-                 timeout_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_s: float = 1.0, min_wait_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> None:
         self.rank, self.cache, self.link, self.outboxes = rank, cache, link, outboxes
-        self.costs, self.timeout_s, self.clock = costs, timeout_s, clock
+        self.costs, self.timeout_s, self.min_wait_s, self.clock = costs, timeout_s, min_wait_s, clock
         self.page_size = cache.page_size
         self.max_fetch_pages = max(1, PEER_MAX_FETCH_BYTES // link.page_bytes)
         self.stats = m.PeerStats(page_bytes=link.page_bytes)
@@ -137,7 +137,7 @@ class PeerCache:
             self.stats.skipped += 1
             return False
         now = self.clock()
-        wait = min(self.timeout_s, max(self.costs.compute.span_seconds(own, end), PEER_MIN_WAIT_S))
+        wait = min(self.timeout_s, max(self.costs.compute.span_seconds(own, end), self.min_wait_s))
         f = _Fetch(xfer, peer, tokens, own, end, now, now + wait)
         if own:
             tree.inc_lock(match.node)  # its own prefix stays for the insert

@@ -129,10 +129,11 @@ class Scheduler:
         if self.hicache is not None:
             self.hicache.costs = costs
             self.hicache.info["read_bytes_per_s"] = costs.read_bytes_per_s
-        self.peer = PeerCache(self.dp_rank, self.cache, link, outboxes, costs, self.args.peer_kv_timeout_s)
+        self.peer = PeerCache(self.dp_rank, self.cache, link, outboxes, costs, self.args.peer_kv_timeout_s,
+                              self.args.peer_kv_min_wait_s)
         self.peer.info = {"backend": link.backend, "read_bytes_per_s": rate, "latency_s": latency,
                           "page_bytes": link.page_bytes, "recompute_flops_per_s": costs.compute.flops_per_s,
-                          "timeout_s": self.args.peer_kv_timeout_s}
+                          "timeout_s": self.args.peer_kv_timeout_s, "min_wait_s": self.args.peer_kv_min_wait_s}
         self.cache.peer = self.peer
 
     # ----------------------------------------------------------------- messages
