@@ -103,11 +103,18 @@ class PeerCache:
 
     # ------------------------------------------------------------ asking side
     def start(self, req: Any, max_tokens: int) -> bool:
-        """A request arrives with a hint (``req.peer_rank``, ``req.peer_tokens``): ask the
-        peer for the pages of the hinted prefix past this replica's own device run, when
-        loading them beats recomputing them. Returns True if ``req`` now waits for a fetch."""
+        """A request arrives: wait for a fetch in flight that brings pages of its prefix
+        (hinted or not: the router hints only the first request it sends away from a
+        prefix), or, with a hint (``req.peer_rank``, ``req.peer_tokens``), ask that peer for
+        the pages of the hinted prefix past this replica's own device run, when loading them
+        beats recomputing them. Returns True if ``req`` now waits for a fetch."""
+        if req.rid in self.waiting:
+            return False
+        if self.fetches and (f := self._covering(req, max_tokens)) is not None:
+            self._wait(req, f)
+            return True
         peer, S = req.peer_rank, self.page_size
-        if peer < 0 or peer == self.rank or peer not in self.outboxes or req.rid in self.waiting:
+        if peer < 0 or peer == self.rank or peer not in self.outboxes:
             return False
         end = min(req.peer_tokens, max_tokens) // S * S
         if end < S:
@@ -123,11 +130,6 @@ class PeerCache:
             self.stats.skipped += 1  # own lower tiers serve it (hierarchical cache), or not worth it
             return False
         tokens = req.token_array(end)
-        for f in self.fetches.values():  # a fetch in flight brings these pages already (n > 1 samples)
-            if (f.peer == peer and f.state != "done" and f.start <= own < f.end and f.deadline > self.clock()
-                    and f.tokens[: min(end, f.end)] == tokens[: min(end, f.end)]):
-                self._wait(req, f)
-                return True
         if self._inflight_bytes(peer) + (end - own) // S * self.link.page_bytes > PEER_MAX_INFLIGHT_BYTES:
             self.stats.skipped += 1
             return False
@@ -147,9 +149,27 @@ class PeerCache:
         self._wait(req, f)
         return True
 
+    def _covering(self, req: Any, max_tokens: int) -> _Fetch | None:
+        """A fetch in flight whose pages extend ``req``'s own device run: same tokens up to
+        the fetch's end (or ``req``'s), past the fetch's start and past the run."""
+        now, S = self.clock(), self.page_size
+        for f in self.fetches.values():
+            if f.state == "done" or f.deadline <= now:
+                continue
+            k = min(f.end, max_tokens // S * S)
+            if k > f.start and req.token_array(k) == f.tokens[:k]:
+                if self.cache.tree.peek_prefix(f.tokens[:k]).num_tokens < k:
+                    return f
+        return None
+
     def _wait(self, req: Any, f: _Fetch) -> None:
         f.waiters.add(req.rid)
         self.waiting[req.rid] = f.xfer
+        if f.node is None and f.start:  # its waiters had all left: lock its own prefix again
+            match = self.cache.tree.match_prefix(f.tokens[: f.start])
+            if match.num_tokens == f.start:
+                self.cache.tree.inc_lock(match.node)
+                f.node = match.node
 
     def ready(self, req: Any) -> bool:
         """True when ``req`` waits for no fetch: none started, or its fetch ended (inserted,

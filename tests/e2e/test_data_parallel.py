@@ -141,6 +141,13 @@ def test_a_stalled_peer_costs_the_wait_not_a_hang(dp2_server, idle_invariants, m
     idle_invariants(dp2_server)
 
 
+@pytest.mark.parametrize("rank", [2, -1])
+def test_data_parallel_rank_out_of_range_is_a_bad_request(dp2_server, rank: int) -> None:
+    r = httpx.post(f"{dp2_server.url}/generate", timeout=30, json={
+        "input_ids": [5, 6, 7], "data_parallel_rank": rank, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and "data_parallel_rank" in r.text, r.text
+
+
 def test_a_dead_replica_stops_the_server(dp2_server, kill_model_process) -> None:
     """Last in this module: SIGKILL replica 0's scheduler; the server exits non-zero."""
     count, log = kill_model_process(dp2_server, 0)

@@ -298,6 +298,30 @@ def test_samples_of_one_prompt_share_one_fetch() -> None:
     b.check()
 
 
+def test_a_request_without_a_hint_waits_for_the_fetch_bringing_its_prefix() -> None:
+    """The router hints only the first request it sends away from a prefix (then its tree
+    says this replica holds it too): the next ones wait for the same fetch instead of
+    computing the prefix themselves."""
+    a, b, _ = pair()
+    a.compute(PROMPT[:24])
+    b.compute(PROMPT[:4])
+    hinted = request("r1", PROMPT)
+    assert b.peer.start(hinted, len(PROMPT) - 1)
+    b.cache.cancel_prefetch(hinted)  # its waiters all left: the own prefix is unlocked
+    assert b.tree.protected_pages == 0
+    plain = request("r2", PROMPT[:20] + [1, 2, 3], hint_rank=-1, hint_tokens=0)
+    assert b.peer.start(plain, 22)
+    assert b.tree.protected_pages == 1  # locked again for the insert
+    unrelated = request("r3", [5] * 25, hint_rank=-1, hint_tokens=0)
+    assert not b.peer.start(unrelated, 24)
+    a.deliver()
+    b.deliver()
+    assert b.peer.ready(plain) and plain.peer_span == (4, 24)
+    b.cache.match_and_lock(plain, 22)
+    assert plain.cached_tiers == {"device": 4, "peer": 16}
+    b.check([plain])
+
+
 def test_an_abort_while_waiting_releases_the_lock() -> None:
     a, b, _ = pair()
     a.compute(PROMPT[:24])
