@@ -172,16 +172,14 @@ class PeerCache:
                 f.node = match.node
 
     def ready(self, req: Any) -> bool:
-        """True when ``req`` waits for no fetch: none started, or its fetch ended (inserted,
-        none, failed) or passed its deadline. Then ``req.peer_span`` holds the tokens the
-        fetch inserted (for ``cached_tiers``), and the lock of a fetch nobody waits for any
-        more is released."""
+        """True when ``req`` waits for no fetch: none started, or its fetch ended (inserted
+        by ``poll``, none, failed) or passed its deadline. Then ``req.peer_span`` holds the
+        tokens the fetch inserted (for ``cached_tiers``), and the lock of a fetch nobody
+        waits for any more is released."""
         xfer = self.waiting.get(req.rid)
         if xfer is None:
             return True
         f = self.fetches.get(xfer)
-        if f is not None and f.state == "copying":
-            self._poll_fetch(f)
         if f is not None and f.state != "done" and self.clock() < f.deadline:
             return False
         self._release(req, f, timed_out=f is not None and f.state != "done")
@@ -254,9 +252,13 @@ class PeerCache:
     def _insert(self, f: _Fetch, transfer: Any) -> None:
         n = transfer.num_pages
         end = f.start + n * self.page_size
-        node, first = self.cache.insert_loaded(f.tokens[:end], f.start, n,
-                                               lambda pages, skip: self.link.write(transfer, pages, skip))
         self.stats.pages_received += n
+        try:
+            node, first = self.cache.insert_loaded(f.tokens[:end], f.start, n,
+                                                   lambda pages, skip: self.link.write(transfer, pages, skip))
+        except Exception:  # writing the pages failed (a device error): dropped, recomputed
+            logger.exception("peer KV tier: cannot insert %d pages from replica %d", n, f.peer)
+            node, first = None, 0
         if node is None:
             self.stats.fetches_failed += 1  # no room, or its own prefix went meanwhile
             return
@@ -343,7 +345,10 @@ class PeerCache:
     # ------------------------------------------------------------ each loop turn
     def poll(self) -> None:
         """Finish fetches whose pages arrived (insert them), drop finished sends and drained
-        receives, forget unanswered fetches nobody waits for after ``PEER_FORGET_S``."""
+        receives, forget unanswered fetches nobody waits for after ``PEER_FORGET_S``.
+        Called at the start of a scheduler step, before planning: the pages it takes may
+        then be any free page (a page freed by this step's plan may still be read, by a
+        swap-out or the hierarchical cache's save, before the step's forward pass)."""
         for f in [f for f in self.fetches.values() if f.state == "copying"]:
             self._poll_fetch(f)
         if self.sending:

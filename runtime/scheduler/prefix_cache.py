@@ -127,11 +127,14 @@ class PrefixCache:
             self.peer.cancel(req)
 
     def issue(self) -> None:
-        """Run the tier copies planned this step (before the step's launch); take the peer
-        pages that arrived."""
+        """Run the tier copies planned this step (before the step's launch)."""
         if self.hicache is not None:
             self.hicache.issue()
             self.hicache.poll()
+
+    def take_arrivals(self) -> None:
+        """Insert the peer pages that arrived (``PeerCache.poll``); at the start of a step,
+        before planning (``insert_loaded``)."""
         if self.peer is not None:
             self.peer.poll()
 
@@ -144,7 +147,13 @@ class PrefixCache:
         on, and they are inserted (a tiered tree's nodes cached below are promoted; the
         write policy copies them down as any insert). Returns (the node ending at the end
         of ``tokens``, the first token inserted), or (None, 0) when the run does not reach
-        ``start`` or no pages are left; (node, len(tokens)) when it already held them."""
+        ``start`` or no pages are left; (node, len(tokens)) when it already held them.
+
+        Call it before planning a step, not during: ``fill`` writes the pages now, and a page
+        that a plan freed may still have to be read (a swap-out, run after planning). The
+        hierarchical cache's copies queued so far (saves of pages the allocation evicted,
+        write-back) are issued before ``fill`` writes. If ``fill`` raises, the pages go back
+        to the allocator and the exception propagates."""
         size = self.page_size
         end = start + num_pages * size
         match = self.tree.match_prefix(tokens[:end])
@@ -158,7 +167,13 @@ class PrefixCache:
             pages = self.alloc((end - have) // size)
             if pages is None:
                 return None, 0
-            fill(pages, (have - start) // size)
+            if self.hicache is not None:
+                self.hicache.issue()  # an evicted page's save reads it before it is rewritten
+            try:
+                fill(pages, (have - start) // size)
+            except BaseException:
+                self.allocator.free(pages)
+                raise
             result = self.tree.insert(tokens[:end], list(match.pages) + pages)
         finally:
             self.tree.dec_lock(match.node)

@@ -235,6 +235,7 @@ class Scheduler:
     def _step(self) -> bool:
         if self.grammar_waiting:
             self._poll_grammars()
+        self.cache.take_arrivals()  # peer pages, before the plan frees and hands out pages
         collected = False
         if self.inflight is not None and self._needs_tokens():
             self._collect()

@@ -30,11 +30,13 @@ class FakeTransfer:
     def __init__(self, link, peer: int, tag: int, num_pages: int, data=None) -> None:
         self.link, self.peer, self.tag, self.num_pages, self.data = link, peer, tag, num_pages, data
         self.failed: Exception | None = None
-        self.received = data is not None  # a send: done once the receiver took it
+        self.is_send, self.received = data is not None, False  # a send is done once received
 
     def done(self) -> bool:
-        if self.data is not None:  # a send
+        if self.is_send:
             return self.received
+        if self.data is not None:
+            return True
         if self.link.hold:
             return False
         queue = self.link.wire.setdefault((self.peer, self.link.rank), [])
@@ -118,12 +120,15 @@ class Replica:
         return pages
 
     def deliver(self) -> None:
+        """One scheduler loop turn: handle the messages, then the step's start takes the
+        pages that arrived (``PrefixCache.take_arrivals``)."""
         msgs, self.inbox[:] = list(self.inbox), []
         for msg in msgs:
             if isinstance(msg, m.PeerFetchReq):
                 self.peer.on_request(msg)
             else:
                 self.peer.on_answer(msg)
+        self.cache.take_arrivals()
 
     def check(self, live: tuple = ()) -> None:
         self.cache.check_invariants(list(live))
@@ -248,10 +253,12 @@ def test_an_answer_to_a_forgotten_fetch_is_received_and_dropped() -> None:
     b.peer.poll()
     assert b.peer.fetches == {}  # forgotten
     a.deliver()
+    b.link.hold = True  # the bytes are still on their way
     b.deliver()
-    assert len(b.peer.draining) == 1
+    assert len(b.peer.draining) == 1  # the receive is posted all the same
+    b.link.hold = False
     b.peer.poll()
-    assert b.peer.draining == [] and b.held(PROMPT) == 0
+    assert b.peer.draining == [] and b.held(PROMPT) == 0 and a.link.wire[0, 1] == []
     other = [7] * 25  # the next transfer pairs correctly
     a.compute(other[:24])
     req = request("r2", other)
@@ -387,3 +394,35 @@ def test_peer_load_seconds_is_one_hop_plus_latency() -> None:
     assert model.load_seconds("host", 2 * S) == pytest.approx(2.0)
     assert model.load_seconds("disk", 2 * S) == pytest.approx(2.0 + 4.0)
     assert model.load_seconds("nowhere", S) == float("inf")
+
+
+def test_pages_evicted_for_the_insert_are_saved_before_they_are_rewritten() -> None:
+    """write_back: the page the insert takes is evicted from a node whose only copy is on
+    the device; its save to the host tier must read it before the received bytes land."""
+    from radixlm.runtime.scheduler.hicache import HiCache
+
+    events: list[tuple[str, list[int]]] = []
+
+    class Host:
+        num_pages, page_bytes = 9, 16
+
+        def save(self, device, rows):
+            events.append(("save", list(device)))
+
+        def load(self, rows, device):
+            events.append(("load", list(device)))
+
+        def wait_saves(self):
+            pass
+
+    tree = RadixTree(S, tiers=("host",))
+    costs = TierCostModel(peer_costs().compute, page_bytes=16, page_size=S, read_bytes_per_s={"host": 1e9})
+    cache = PrefixCache(PageAllocator(5), tree, S, HiCache(tree, Host(), None, costs, "write_back"))
+    old = cache.alloc(4)
+    tree.insert(list(range(16)), old)  # the pool is full of an evictable node, no host copy
+    node, first = cache.insert_loaded(list(range(50, 58)), 0, 2,
+                                      lambda pages, skip: events.append(("fill", list(pages))))
+    assert node is not None and first == 0
+    assert [kind for kind, _ in events] == ["save", "fill"]
+    assert set(events[1][1]) <= set(events[0][1])  # the rewritten pages were saved first
+    cache.check_invariants([])
