@@ -188,7 +188,7 @@ class PeerKVLink:
     def post_send(self, dst: int, staging: torch.Tensor, tag: int) -> PeerTransfer:
         """Post the send of ``staging`` (from ``stage``) to replica ``dst``; returns at once.
         Raises what torch.distributed raises (the pairing with ``dst`` is then lost)."""
-        work = dist.isend(staging, dst, group=self._groups[self.rank, dst], tag=tag)
+        work = dist.isend(staging, dst, group=self._groups[self.rank, dst], tag=self._tag(tag))
         return self._track(PeerTransfer(dst, tag, staging, work, self.backend == "nccl"), "send")
 
     @torch.inference_mode()
@@ -197,8 +197,12 @@ class PeerKVLink:
         tensor. Returns at once (``done()`` says when they are in). Raises what allocation or
         torch.distributed raises."""
         staging = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8, device=self.device)
-        work = dist.irecv(staging, src, group=self._groups[src, self.rank], tag=tag)
+        work = dist.irecv(staging, src, group=self._groups[src, self.rank], tag=self._tag(tag))
         return self._track(PeerTransfer(src, tag, staging, work, self.backend == "nccl"), "recv")
+
+    def _tag(self, tag: int) -> int:
+        """Gloo matches by tag too (a 31-bit one); NCCL has none: posting order only."""
+        return tag & 0x7FFFFFFF if self.backend == "gloo" else 0
 
     def _track(self, transfer: PeerTransfer, kind: str) -> PeerTransfer:
         if self.backend == "gloo":

@@ -12,9 +12,11 @@ replicas' schedulers exchange ``PeerFetchReq`` / ``PeerFetchOut`` over ZeroMQ.
                                    <---- PeerFetchOut(xfer, n pages) the pages, unlock,
                                                        answer, post the send (or: 0 pages)
       next loop turn: post the receive (always, even if it no longer wants them)
-      the receive completes: alloc n pages, scatter, insert into the radix tree
-      (as if computed; write-through to the host tier as any insert), the request is
-      admitted and matches them: cached_tokens counts them, cached_tiers["peer"] says so
+      a step's start (``poll``, before planning) finds it complete: alloc n pages,
+      scatter, insert into the radix tree (as if computed; write-through to the host tier
+      as any insert); the request is admitted and matches them: cached_tokens counts
+      them, cached_tiers["peer"] says so. Requests arriving meanwhile whose prefix the
+      fetch brings wait for it too (the router hints only the first).
 
 Both sides post their point-to-point op at a loop-turn boundary and neither ever blocks
 on the other: the ops are asynchronous and polled (``PeerTransfer.done``). A request
