@@ -23,7 +23,8 @@ and posts ``irecv``. Neither blocks the caller. Completion: NCCL works are polle
 leaves the work unusable), so one waiter thread per (peer, direction) calls ``wait()`` on
 each work in posting order and flags it. A work that never completes (a peer stalled
 forever) holds its staging tensor and its waiter thread, nothing else; the group's
-timeout (``timeout_s``) finally fails it.
+timeout (``timeout_s``) finally fails it (gloo) or ends the process (NCCL's watchdog; the
+server then stops, as for any dead replica).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.executor.kv_calibration import KVScalesError
 from radixlm.runtime.executor.model_loader import usable_cores
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.executor.parallel import PeerPlacement, RankPlacement
+from radixlm.runtime.executor.parallel import COLLECTIVE_TIMEOUT, PeerPlacement, RankPlacement
 from radixlm.runtime.executor.sampling import has_penalties
 from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.memory.page_allocator import PageAllocator
@@ -683,18 +683,19 @@ def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCa
     return hicache
 
 
-def join_peers(scheduler: Scheduler, placement: PeerPlacement, recv: MsgSocket,
-               timeout_s: float) -> list[MsgSocket]:
+def join_peers(scheduler: Scheduler, placement: PeerPlacement, recv: MsgSocket) -> list[MsgSocket]:
     """The peer KV tier of ``scheduler`` (``--enable-peer-kv``): join the replicas' process
-    group at ``placement.dist_init_addr`` (every replica does, at start-up; at most
-    ``timeout_s``), check that every replica holds pages of one format, measure the peer
+    group at ``placement.dist_init_addr`` (every replica does, at start-up; the group's
+    timeout is the tensor parallel groups' 30 minutes: NCCL's watchdog ends a process whose
+    op waits that long), check that every replica holds pages of one format, measure the peer
     bandwidth (64 MiB on CUDA, 16 MiB on the CPU) and a one-page transfer, take the peers'
     messages on ``recv`` (which also binds this replica's inbox) and connect to theirs.
     Returns the sockets made (to close). RuntimeError if the replicas' formats differ."""
     from radixlm.runtime.memory.peer_link import PeerKVLink
 
     runner = scheduler.runner
-    link = PeerKVLink(placement.rank, placement.size, placement.dist_init_addr, runner.pool, timeout_s)
+    link = PeerKVLink(placement.rank, placement.size, placement.dist_init_addr, runner.pool,
+                      COLLECTIVE_TIMEOUT.total_seconds())
     link.check_identity(f"{runner.kv_identity()}|{link.page_bytes}")
     rate, latency = link.measure((64 if link.device.type == "cuda" else 16) << 20)
     recv.listen(placement.inboxes[placement.rank])
@@ -751,7 +752,7 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
             scheduler = Scheduler(args, runner)
             scheduler.dp_rank = dp_rank
             if peer is not None:
-                peer_socks = join_peers(scheduler, peer, recv, args.startup_timeout)
+                peer_socks = join_peers(scheduler, peer, recv)
         except Exception as exc:  # report start-up failures instead of dying silently
             if isinstance(exc, KVScalesError):  # the user's file or model: the message says what
                 logger.error("scheduler failed to start: %s", exc)
