@@ -34,7 +34,7 @@ test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not soak" $(PYTEST_ARGS)
 
 test-all: setup
-	$(PY) -m pytest -q -m "not soak" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not soak" $(PYTEST_ARGS)
 
 soak: setup
 	$(PY) -m pytest -q -s -m soak $(PYTEST_ARGS)

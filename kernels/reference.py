@@ -26,9 +26,10 @@ Model Serving with PagedAttention", SOSP 2023) for the page-table indirection, a
 RadixAttention (Zheng et al., "SGLang: Efficient Execution of Structured Language Model
 Programs", 2024) for attending to prefix pages shared through a radix tree.
 
-Caveats: this is the slow, obviously-correct path: it loops over requests in Python,
-gathers each request's K/V into a dense [L, K, D] copy and computes softmax in float32.
-The Triton kernels are tested against it.
+Caveats: this is the plain path: extends loop over requests in Python, every pass
+gathers each request's K/V into a dense [L, K, D] copy, and the math is float32 (PyTorch's
+fused ``scaled_dot_product_attention``, or einsum / softmax with a soft-cap). The Triton
+kernels are tested against it, and it is tested against the einsum spelling.
 """
 
 from __future__ import annotations
@@ -255,7 +256,29 @@ def _attend_one(
 ) -> torch.Tensor:
     """Causal attention of one request in float32. q [E, H, D], k/v [L, K, D] -> [E, H, D].
     ``softcap``: scores -> cap * tanh(scores / cap) before the mask; ``window`` W: the query
-    at position p sees keys (p - W, p] only (``_visible``)."""
+    at position p sees keys (p - W, p] only (``_visible``).
+
+    Without a soft-cap, PyTorch's fused ``scaled_dot_product_attention`` (its CPU kernel is
+    flash attention: no [H, E, L] score tensor, GQA without repeating K/V); with one, the
+    explicit einsum / softmax (``_attend_einsum``, also the tests' oracle)."""
+    if softcap is not None:
+        return _attend_einsum(q, k, v, prefix_len, scale, softcap, window)
+    extend_len, length = q.shape[0], k.shape[0]
+    mask = None  # prefix_len 0 and no window: is_causal (top-left = bottom-right when E == L)
+    if prefix_len or window is not None:
+        q_pos = torch.arange(extend_len, device=q.device)[:, None] + prefix_len  # [E, 1]
+        mask = _visible(q_pos, torch.arange(length, device=q.device)[None, :], window)  # [E, L]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),  # [H|K, E|L, D]
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)  # [H, E, D]
+    return out.transpose(0, 1)
+
+
+def _attend_einsum(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float,
+    softcap: float | None = None, window: int | None = None,
+) -> torch.Tensor:
+    """``_attend_one`` spelled out: scores, soft-cap, mask, softmax, all in float32."""
     extend_len, num_heads = q.shape[0], q.shape[1]
     group = num_heads // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # [L, K, D] -> [L, H, D]
@@ -411,13 +434,21 @@ def paged_decode_attention(
     if sink is not None:
         k, v = sink.apply(k, v, k_scale, v_scale)
     qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, D]
-    scores = _softcap(torch.einsum("bkgd,blkd->bkgl", qg, k) * scale, softcap)  # [B, K, G, L]
     pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, L]
     if window is not None:  # keys at or before seq_len - 1 - W: outside the window
         pad |= torch.arange(max_len, device=q.device)[None, :] <= lens[:, None] - 1 - window
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    v = v.masked_fill(pad[:, :, None, None], 0.0)  # unwritten slots may hold NaN: 0 * NaN = NaN
-    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)  # [B, K, G, D]
+    padded = bool(pad.any()) if q.device.type == "cpu" else True  # no host sync on a device
+    if padded:  # unwritten slots may hold NaN, and NaN * 0 or NaN - inf stays NaN
+        k, v = k.masked_fill(pad[:, :, None, None], 0.0), v.masked_fill(pad[:, :, None, None], 0.0)
+    if softcap is None:
+        # The G query heads of a kv head are its "query rows": no repeat of K / V, no GQA flag.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qg, k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+            attn_mask=~pad[:, None, None, :] if padded else None)  # [B, K, G, D]
+    else:
+        scores = _softcap(torch.einsum("bkgd,blkd->bkgl", qg, k) * scale, softcap)  # [B, K, G, L]
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)  # [B, K, G, D]
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 

@@ -45,6 +45,20 @@ class MsgSocket:
     def send(self, msg: messages.Message) -> None:
         self.sock.send(messages.encode(msg), copy=False)
 
+    def try_send(self, msg: messages.Message) -> bool:
+        """Send without blocking; False (nothing sent) if ZeroMQ cannot queue it now (a
+        PUSH whose peer is gone or not reading: its queue is full)."""
+        try:
+            self.sock.send(messages.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def listen(self, address: str) -> None:
+        """Also bind ``address`` (a PULL that takes messages from its first endpoint and from
+        the PUSH sockets connected here, fair-queued)."""
+        self.sock.bind(address)
+
     def recv(self, timeout_ms: int | None = None, spin_s: float = 0.0) -> messages.Message | None:
         """Blocking receive; None if nothing arrived within ``timeout_ms`` (0 = poll).
         ``spin_s``: first poll without blocking for up to this many seconds, then block for

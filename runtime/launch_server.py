@@ -38,7 +38,7 @@ import zmq
 
 from radixlm.runtime import messages as m
 from radixlm.runtime.executor.model_loader import default_gguf_path
-from radixlm.runtime.executor.parallel import RankPlacement
+from radixlm.runtime.executor.parallel import PeerPlacement, RankPlacement
 from radixlm.runtime.ipc import MsgSocket, new_ipc_address
 from radixlm.runtime.scheduler.scheduler import freeze_startup_objects, run_scheduler_process
 from radixlm.runtime.scheduler.tensor_parallel import run_tp_worker_process
@@ -139,8 +139,14 @@ async def _watchdog(procs: list[mp.Process], tm: TokenizerManager, server: uvico
 
 def _spawn(args: ServerArgs, from_sched: str) -> tuple[list[MsgSocket], list[mp.Process]]:
     """Start every model process: per replica its scheduler (TP rank 0) and TP ranks
-    1..N-1. Returns the sockets to the schedulers (by dp rank) and the processes."""
+    1..N-1; with ``--enable-peer-kv`` each scheduler also gets its ``PeerPlacement`` (the
+    replicas' rendezvous and inboxes). Returns the sockets to the schedulers (by dp rank)
+    and the processes."""
     ctx, socks, procs, tp = mp.get_context("spawn"), [], [], args.tp_size
+    peers = None
+    if args.enable_peer_kv:  # the replicas' own group: port + dp_size (port + i: replica i's TP group)
+        peers = (_dist_addr(args.dist_init_addr, args.dp_size),
+                 tuple(new_ipc_address(f"peer-{r}") for r in range(args.dp_size)))
     for dp_rank in range(args.dp_size):
         to_sched = new_ipc_address(f"to-sched-{dp_rank}")
         socks.append(MsgSocket(zmq.PUSH, to_sched, bind=True, asyncio=True))
@@ -148,8 +154,9 @@ def _spawn(args: ServerArgs, from_sched: str) -> tuple[list[MsgSocket], list[mp.
         addr = _dist_addr(args.dist_init_addr, dp_rank) if tp > 1 else ""
         suffix = f"-dp{dp_rank}" if args.dp_size > 1 else ""
         leader = RankPlacement(0, tp, addr, dp_rank * tp, steps)
+        peer = PeerPlacement(dp_rank, args.dp_size, *peers) if peers is not None else None
         procs.append(ctx.Process(target=run_scheduler_process, name=f"radixlm-scheduler{suffix}", daemon=True,
-                                 args=(args, to_sched, from_sched, os.getpid(), leader, dp_rank)))
+                                 args=(args, to_sched, from_sched, os.getpid(), leader, dp_rank, peer)))
         for r in range(1, tp):
             placement = RankPlacement(r, tp, addr, dp_rank * tp + r, (steps[r - 1],))
             procs.append(ctx.Process(target=run_tp_worker_process, name=f"radixlm-tp{r}{suffix}", daemon=True,
@@ -161,7 +168,7 @@ def _spawn(args: ServerArgs, from_sched: str) -> tuple[list[MsgSocket], list[mp.
 
 def _dist_addr(base: str | None, dp_rank: int) -> str:
     """The rendezvous of replica ``dp_rank``: ``--dist-init-addr`` with its port + dp_rank,
-    or a free loopback port."""
+    or a free loopback port (``dp_rank`` = --dp-size: the replicas' peer KV group)."""
     if base is None:
         with socket.socket() as sock:  # a free loopback port
             sock.bind(("127.0.0.1", 0))
@@ -177,7 +184,7 @@ async def _serve(args: ServerArgs) -> int:
     try:
         ready = await wait_ready(recv, lambda: _dead(procs), args.startup_timeout, args.dp_size)
         send = socks[0] if args.dp_size == 1 else DPRouter(socks, args.dp_routing, ready.max_total_tokens,
-                                                           ready.page_size)
+                                                           ready.page_size, peer_hints=args.enable_peer_kv)
         return await _run_http(args, ready, send, recv, procs)
     except SchedulerStartError as exc:
         logger.error("server failed to start: %s", exc)

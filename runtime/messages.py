@@ -11,7 +11,10 @@ A request has one id (``rid``) end to end; with ``n > 1`` the tokenizer process 
 one GenerateReq per sample (``rid-0 .. rid-(n-1)``).
 
 With tensor parallelism the scheduler (rank 0) also sends every step it runs to the other
-ranks of its replica (``TPStep``, scheduler/tensor_parallel.py).
+ranks of its replica (``TPStep``, scheduler/tensor_parallel.py). With data parallelism and
+the peer KV tier (``--enable-peer-kv``) the replicas' schedulers ask each other for cached
+pages (``PeerFetchReq`` / ``PeerFetchOut``, scheduler/peer.py); the pages themselves travel
+over torch.distributed (memory/peer_link.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ __all__ = [
     "TPNewReq",
     "TPItem",
     "TPStep",
+    "PeerFetchReq",
+    "PeerFetchOut",
+    "PeerStats",
     "encode",
     "decode",
 ]
@@ -73,7 +79,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 class GenerateReq(msgspec.Struct, tag=True, kw_only=True):
     """A tokenized request. ``logprob_start_len`` = first prompt position whose logprob is
-    returned (-1: no prompt logprobs)."""
+    returned (-1: no prompt logprobs).
+
+    Data parallelism: ``data_parallel_rank`` (SGLang's field) is the replica the client
+    asked for (None: the router picks). ``peer_rank`` / ``peer_tokens`` are the router's
+    hint for the peer KV tier: replica ``peer_rank`` was sent a prompt sharing the first
+    ``peer_tokens`` tokens (whole pages) with this one (-1 / 0: no hint). A hint, not a
+    promise: that replica may have evicted them."""
 
     rid: str
     input_ids: list[int]
@@ -82,6 +94,9 @@ class GenerateReq(msgspec.Struct, tag=True, kw_only=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    data_parallel_rank: int | None = None
+    peer_rank: int = -1
+    peer_tokens: int = 0
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -130,7 +145,7 @@ class ReqOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
-    cached_tiers: dict[str, int] | None = None  # cached_tokens by tier: device / host / disk (hierarchical cache)
+    cached_tiers: dict[str, int] | None = None  # cached_tokens by tier: device / host / disk / peer (KV tiers)
 
 
 class BatchOutput(msgspec.Struct, tag=True):
@@ -170,6 +185,27 @@ class HiCacheStats(msgspec.Struct, kw_only=True):
     disk_writes_skipped: int  # pages not written to disk: quota or disk full
 
 
+class PeerStats(msgspec.Struct, kw_only=True):
+    """The peer KV tier of one replica (cumulative counts; scheduler/peer.py). As the
+    asking side: fetches by outcome, pages and tokens received; as the serving side:
+    requests answered, pages sent."""
+
+    hit_tokens: int = 0  # prompt tokens of admitted requests that came from a peer
+    fetches: int = 0  # fetches started (requests to a peer)
+    fetches_loaded: int = 0  # fetches whose pages arrived and were inserted
+    fetches_none: int = 0  # the peer held none of the pages (evicted, or busy)
+    fetches_failed: int = 0  # the transfer failed, or the pages could not be inserted
+    waits_timed_out: int = 0  # requests admitted before their fetch ended (they recomputed)
+    skipped: int = 0  # hinted spans recomputed: the cost model, an unresponsive peer, or own lower tiers
+    pages_received: int = 0
+    tokens_inserted: int = 0  # tokens the received pages added to the radix tree
+    pages_sent: int = 0
+    requests_served: int = 0  # peers' requests answered with pages
+    requests_refused: int = 0  # peers' requests answered with none
+    page_bytes: int = 0  # bytes of one page on the wire
+    fetch_seconds: float = 0.0  # summed request -> inserted time of loaded fetches
+
+
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     """Sent after scheduler steps (rate-limited) for /metrics."""
 
@@ -195,6 +231,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     kv_sink_slots_total: int = 0  # FP8 pools' exact-sink slots (--kv-sink-slots; 0 without)
     kv_sink_slots_used: int = 0  # slots claimed by a first token (never evicted)
     hicache: HiCacheStats | None = None  # None without a hierarchical cache
+    peer: PeerStats | None = None  # None without the peer KV tier
 
 
 class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):
@@ -215,6 +252,7 @@ class SchedulerReady(msgspec.Struct, tag=True, kw_only=True):
     disable_overlap_schedule: bool = False
     weight_dtype: str = "model"  # the decoder linears' kind (--weight-dtype resolved), "model": --dtype
     hicache: dict[str, Any] | None = None  # tier sizes and measured bandwidths (hierarchical cache)
+    peer_kv: dict[str, Any] | None = None  # the peer KV tier's measured bandwidth and latency
 
 
 class SchedulerError(msgspec.Struct, tag=True):
@@ -261,6 +299,29 @@ class TPStep(msgspec.Struct, tag=True, kw_only=True, gc=False):
     done: list[str] = []
 
 
+class PeerFetchReq(msgspec.Struct, tag=True, kw_only=True, gc=False):
+    """Replica ``src`` asks a peer replica for the KV pages of ``tokens[start:]`` (whole
+    pages; it holds ``tokens[:start]`` itself). ``xfer`` numbers the requests of ``src``."""
+
+    xfer: int
+    src: int
+    tokens: list[int]
+    start: int
+
+
+class PeerFetchOut(msgspec.Struct, tag=True, kw_only=True):
+    """The answer to ``PeerFetchReq`` ``xfer``: replica ``src`` sends ``num_pages`` pages,
+    the KV of tokens ``[start, start + num_pages * page_size)``, over torch.distributed
+    (posted before this answer; the asking side must post the matching receive, even if
+    it no longer wants them). 0 pages: none (``reason`` says why)."""
+
+    xfer: int
+    src: int
+    start: int
+    num_pages: int
+    reason: str = ""
+
+
 Message = (
     GenerateReq
     | AbortReq
@@ -273,6 +334,8 @@ Message = (
     | SchedulerReady
     | SchedulerError
     | TPStep
+    | PeerFetchReq
+    | PeerFetchOut
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -246,7 +246,23 @@ class ServerArgs:
         "imbalanced, then the least loaded) or round_robin.", DP_ROUTING_POLICIES)
     dist_init_addr: str | None = _opt(
         None, "host:port of the torch.distributed rendezvous of tensor parallel ranks (replica i "
-        "uses port + i). Default: a free local port per replica.")
+        "uses port + i; the replicas' peer KV tier, --enable-peer-kv, port + --dp-size). Default: a free "
+        "local port per group.")
+    enable_peer_kv: bool = _opt(
+        False, "Peer KV tier (L2, docs/KV_CACHE.md): with --dp-size >= 2, a replica that gets a request "
+        "whose prefix the router sent to another replica asks that replica for the KV pages it lacks "
+        "and copies them over torch.distributed (NCCL on CUDA, each replica on its own GPU; gloo on "
+        "the CPU) instead of recomputing them, when the cost model finds that faster. Needs "
+        "--tp-size 1, the radix cache and a float KV cache (--kv-cache-dtype auto, bf16, fp16). "
+        "The replicas' schedulers meet at --dist-init-addr's port + --dp-size (default: a free "
+        "local port).")
+    peer_kv_timeout_s: float = _opt(
+        1.0, "Longest a request waits for a peer's KV pages before it is admitted and recomputes them; "
+        "it also waits no longer than recomputing them would take, but at least --peer-kv-min-wait-s. "
+        "Pages that arrive later are still cached.")
+    peer_kv_min_wait_s: float = _opt(
+        0.05, "Shortest wait for a peer's KV pages (about one turn of a busy peer's scheduler loop; "
+        "capped by --peer-kv-timeout-s).")
     disable_radix_cache: bool = _opt(False, "Do not reuse KV across requests.")
     kv_events_endpoint: str | None = _opt(
         None, "Publish KV cache events (blocks stored / removed / all cleared, vLLM's format: "
@@ -495,6 +511,22 @@ class ServerArgs:
             raise ValueError(f"--dp-routing must be one of {', '.join(DP_ROUTING_POLICIES)}")
         if self.dist_init_addr is not None and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.dist_init_addr):
             raise ValueError("--dist-init-addr must be host:port")
+        if self.enable_peer_kv:
+            if self.dp_size < 2:
+                raise ValueError("--enable-peer-kv needs --dp-size >= 2 (the peer is another data parallel replica)")
+            if self.tp_size > 1:
+                raise ValueError("--enable-peer-kv does not support --tp-size > 1 yet (a page would be one "
+                                 "slice per tensor parallel rank, copied rank to rank)")
+            if self.disable_radix_cache:
+                raise ValueError("--enable-peer-kv needs the radix cache; drop --disable-radix-cache")
+            if self.kv_cache_dtype not in ("auto", "bf16", "fp16"):
+                raise ValueError("--enable-peer-kv takes float KV caches only (--kv-cache-dtype auto, bf16, "
+                                 "fp16): FP8 pages read per-replica exact-sink slots, int4 / mixed pages live in "
+                                 "two representations")
+        for flag, value in (("--peer-kv-timeout-s", self.peer_kv_timeout_s),
+                            ("--peer-kv-min-wait-s", self.peer_kv_min_wait_s)):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{flag} must be a finite number >= 0")
         if self.tp_size > 1:
             if self.hicache_enabled:
                 raise ValueError("the hierarchical cache (--hicache-*) does not support --tp-size > 1 yet")

@@ -109,7 +109,7 @@ TORCH_FREE = [
     "radixlm.radix", "radixlm.frontend", "radixlm.runtime.server_args", "radixlm.runtime.messages",
     "radixlm.runtime.memory.page_allocator", "radixlm.runtime.memory.cost_model",
     "radixlm.runtime.memory.disk_store", "radixlm.runtime.scheduler.hicache",
-    "radixlm.runtime.scheduler.planner", "radixlm.runtime.scheduler.decision",
+    "radixlm.runtime.scheduler.peer", "radixlm.runtime.scheduler.planner", "radixlm.runtime.scheduler.decision",
     "radixlm.runtime.scheduler.prefix_cache", "radixlm.runtime.bench.cache_sim",
     "radixlm.runtime.bench.serving", "radixlm.runtime.kv_events",
 ]

@@ -58,6 +58,7 @@ from radixlm.runtime.executor.weight_quant import quantize_linears, resolve_weig
 from radixlm.runtime.memory.cost_model import DEVICE_RATES, SwapCostModel, TierCostModel
 from radixlm.runtime.memory.kv_formats import TIERED_KV
 from radixlm.runtime.memory.kv_pool import KVPool, kv_page_bytes, tiered_fp8_pages
+from radixlm.runtime.memory.page_records import record_bytes
 from radixlm.runtime.scheduler.decision import (
     ItemResult,
     PendingStep,
@@ -314,26 +315,29 @@ class ModelRunner:
                     h.update(t.float().cpu().numpy().tobytes())
         return h.hexdigest()
 
-    def tier_costs(self, host_pool: Any, disk: Any) -> TierCostModel:
-        """The load-vs-recompute model of the hierarchical cache, measured now: the tiers'
-        read bandwidths in bytes/s (host -> device: loading up to 64 MiB of pages from
+    def tier_costs(self, host_pool: Any = None, disk: Any = None) -> TierCostModel:
+        """The load-vs-recompute model of the KV tiers, measured now: the tiers' read
+        bandwidths in bytes/s (host -> device: loading up to 64 MiB of pages from
         ``host_pool`` into pages 1..n, free at start-up; disk -> host:
-        ``disk.measure_read_bandwidth``) and the recompute rate in FLOP/s
-        (``prefill_flops_per_s``)."""
-        pages = max(1, min(host_pool.num_pages - 1, self.num_pages - 1, (64 << 20) // host_pool.page_bytes))
-        rows, device_pages = list(range(1, pages + 1)), list(range(1, pages + 1))
+        ``disk.measure_read_bandwidth``; neither without a hierarchical cache) and the
+        recompute rate in FLOP/s (``prefill_flops_per_s``). Page bytes: one page record
+        (``memory.page_records.record_bytes``). The peer tier's rate is added by the
+        scheduler (``PeerKVLink.measure``)."""
         rates = {}
-        for _ in range(2):  # the first round warms up (staging buffers, streams)
-            self._sync()
-            start = time.perf_counter()
-            host_pool.load(rows, device_pages)
-            self._sync()
-            rates["host"] = pages * host_pool.page_bytes / max(time.perf_counter() - start, 1e-9)
-        if disk is not None:
-            rates["disk"] = disk.measure_read_bandwidth(min(64 << 20, 16 * host_pool.page_bytes))
+        if host_pool is not None:
+            pages = max(1, min(host_pool.num_pages - 1, self.num_pages - 1, (64 << 20) // host_pool.page_bytes))
+            rows, device_pages = list(range(1, pages + 1)), list(range(1, pages + 1))
+            for _ in range(2):  # the first round warms up (staging buffers, streams)
+                self._sync()
+                start = time.perf_counter()
+                host_pool.load(rows, device_pages)
+                self._sync()
+                rates["host"] = pages * host_pool.page_bytes / max(time.perf_counter() - start, 1e-9)
+            if disk is not None:
+                rates["disk"] = disk.measure_read_bandwidth(min(64 << 20, 16 * host_pool.page_bytes))
         compute = self.swap_cost_model()
         compute = dataclasses.replace(compute, flops_per_s=self.prefill_flops_per_s(compute))
-        return TierCostModel(compute, host_pool.page_bytes, self.page_size, rates)
+        return TierCostModel(compute, record_bytes(self.pool), self.page_size, rates)
 
     @torch.inference_mode()
     def prefill_flops_per_s(self, compute: SwapCostModel) -> float:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankPlacement", "TPGroup", "TPShard", "backend_for"]
+__all__ = ["PeerPlacement", "RankPlacement", "TPGroup", "TPShard", "backend_for"]
 
 logger = logging.getLogger("radixlm.parallel")
 # The step channel (ZeroMQ) carries the waits between steps; a collective waits only for
@@ -53,6 +53,19 @@ class RankPlacement:
     dist_init_addr: str = ""
     gpu_id: int = 0
     step_addrs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerPlacement:
+    """Where a replica's scheduler sits among the replicas (``--enable-peer-kv``): dp rank
+    ``rank`` of ``size``; the replicas' process group meets at ``dist_init_addr``
+    (host:port); ``inboxes[i]``: the ipc address where replica i's scheduler takes its
+    peers' messages (it binds it, the others connect)."""
+
+    rank: int
+    size: int
+    dist_init_addr: str
+    inboxes: tuple[str, ...]
 
 
 @dataclass(frozen=True)

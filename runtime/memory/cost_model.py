@@ -4,7 +4,7 @@ Torch-free: inputs are byte and FLOP counts, outputs seconds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["DEVICE_RATES", "SwapCostModel", "TierCostModel"]
 
@@ -54,27 +54,32 @@ class SwapCostModel:
 
 @dataclass(frozen=True)
 class TierCostModel:
-    """Load a cached span from a lower tier or recompute it? (hierarchical KV cache)
+    """Load a cached span from a lower tier or recompute it? (hierarchical KV cache, peer tier)
 
     load ``host``: ``pages * page_bytes / read_bytes_per_s["host"]`` (host -> device);
     load ``disk``: that plus ``pages * page_bytes / read_bytes_per_s["disk"]`` (disk -> host
-    first); recompute: ``compute.span_seconds(start, end)``. Seconds throughout; the rates
-    are measured at start-up (``ModelRunner.tier_costs``; /get_server_info shows them).
-    A tier missing from ``read_bytes_per_s`` is never worth loading.
+    first); load ``peer``: ``pages * page_bytes / read_bytes_per_s["peer"]`` (another data
+    parallel replica's device pool -> this one's, one hop); each plus ``latency_s[tier]``
+    (a fixed cost per load, 0 where absent; the peer tier's is the time of a one-page
+    transfer); recompute: ``compute.span_seconds(start, end)``. Seconds throughout; the
+    rates are measured at start-up (``ModelRunner.tier_costs``, ``PeerKVLink.measure``;
+    /get_server_info shows them). A tier whose rate (or a hop's) is missing from
+    ``read_bytes_per_s`` is never worth loading.
     """
 
     compute: SwapCostModel
     page_bytes: int
     page_size: int
     read_bytes_per_s: dict[str, float]
+    latency_s: dict[str, float] = field(default_factory=dict)
 
     def load_seconds(self, tier: str, tokens: int) -> float:
         nbytes = -(-tokens // self.page_size) * self.page_bytes
         rates = self.read_bytes_per_s
-        if tier not in rates or "host" not in rates:
+        hops = ("disk", "host") if tier == "disk" else (tier,)
+        if any(hop not in rates for hop in hops):
             return float("inf")
-        seconds = nbytes / rates["host"]
-        return seconds + (nbytes / rates["disk"] if tier == "disk" else 0.0)
+        return self.latency_s.get(tier, 0.0) + sum(nbytes / rates[hop] for hop in hops)
 
     def worth_loading(self, tier: str, start: int, end: int) -> bool:
         """Whether loading positions [start, end) from ``tier`` beats recomputing them."""

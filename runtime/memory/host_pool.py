@@ -4,23 +4,11 @@ memory, page-first.
 Dimension letters: P pages, S page size (tokens per page), K kv heads, D head dim,
 L layers, G INT4 value group, n pages of one call.
 
-The device pool (``KVPool``) is layer-first: one tensor per layer, a page spread over L
-of them. A host row holds one logical page's bytes of every layer side by side, so that a
-page moves to and from disk as one contiguous record:
-
-    float / fp8_e4m3 pools, per layer l = 0 .. L-1:
-        K[l] [S, K, D]   V[l] [S, K, D]           (pool element bytes; V in the logical
-                                                   [S, K, D] order even where the pool
-                                                   stores it channel-major)
-    int4 / mixed pools:
-        per layer  k_codes [S, K, D/2] uint8   k_stat [2, K, D] fp16
-                   v_codes [S, K, D/2] uint8   v_stat [S, K, 2, D/G] fp16
-        flag       1 byte: 1 = the page was in an FP8 slot, 0 = INT4 only
-        per layer  K [S, K, D] e4m3   V [S, K, D] e4m3   (zeros when the flag is 0)
-
-Rows hold raw bytes only: they are meaningful to a pool of the same shape, format, FP8
-scales, channel means and key rotation. Exact sink slots (``KVPool.sink_k``) are per first
-token id, not per page, and are not part of a record.
+A host row holds one page record (``memory/page_records.py``: one logical page's bytes of
+every layer side by side, page-first), so that a page moves to and from disk as one
+contiguous record. Rows hold raw bytes only: they are meaningful to a pool of the same
+shape, format, FP8 scales, channel means and key rotation. Exact sink slots
+(``KVPool.sink_k``) are per first token id, not per page, and are not part of a record.
 
 On CUDA the copies run on the host pool's own stream and are batched: a save gathers the
 pages of every layer into one device staging buffer [n, page_bytes] (one ``index_select``
@@ -36,41 +24,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from radixlm.runtime.memory.kv_pool import KVPool, kv_page_bytes
+from radixlm.runtime.memory.kv_pool import KVPool
+from radixlm.runtime.memory.page_records import PageRecords, record_bytes
 
 __all__ = ["HostKVPool", "host_page_bytes"]
 
-# (a pool tensor as uint8 with the page / slot dim first, byte offset in a row, bytes per page)
-_Segment = tuple[torch.Tensor, int, int]
-
 
 def host_page_bytes(pool: KVPool) -> int:
-    """Bytes of one page record in page-first layout (module doc), all layers of one page.
-
-    Float / FP8 pools: 2 x L x S x K x D x element bytes (``kv_page_bytes``). int4 / mixed:
-    the INT4 page with its statistics (``kv_page_bytes``) + 1 flag byte + the FP8 page,
-    2 x L x S x K x D. Arithmetic on the pool's shape only (reads no tensor)."""
-    args = (pool.model_dtype, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size)
-    if not pool.tiered:
-        return kv_page_bytes(pool.kv_cache_dtype, *args)
-    return kv_page_bytes(pool.kv_cache_dtype, *args) + 1 + kv_page_bytes("fp8_e4m3", *args)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as uint8, same storage (last dim x element size; any strides for 1-byte
-    dtypes, last dim contiguous otherwise)."""
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-def _segments(tensors: Sequence[torch.Tensor], offset: int) -> tuple[list[_Segment], int]:
-    """Consecutive row segments for ``tensors`` from ``offset`` -> (segments, end offset)."""
-    out = []
-    for t in tensors:
-        raw = _as_bytes(t)
-        size = raw[0].numel()
-        out.append((raw, offset, size))
-        offset += size
-    return out, offset
+    """Bytes of one host row: one page record (``page_records.record_bytes``)."""
+    return record_bytes(pool)
 
 
 def _runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -107,18 +69,9 @@ class HostKVPool:
             raise ValueError(f"a host KV pool needs at least 1 page, got {num_pages}")
         pool = self.pool = device_pool
         self.num_pages = num_pages
-        self.page_bytes = host_page_bytes(pool)
-        layers = range(pool.num_layers)
-        if pool.tiered:
-            per_page = [t[layer] for layer in layers
-                        for t in (pool.k_codes, pool.k_stat, pool.v_codes, pool.v_stat)]  # fmt: skip
-            self._page_segments, self._flag_offset = _segments(per_page, 0)
-            per_slot = [t[layer] for layer in layers for t in (pool.k, pool.v)]
-            self._slot_segments, end = _segments(per_slot, self._flag_offset + 1)
-        else:
-            self._page_segments, end = _segments([t[layer] for layer in layers for t in (pool.k, pool.v)], 0)
-            self._flag_offset, self._slot_segments = -1, []
-        assert end == self.page_bytes, (end, self.page_bytes)
+        self.records = PageRecords(pool)
+        self.page_bytes = self.records.page_bytes
+        self._flag_offset = self.records.flag_offset
         self.cuda = pool.device.type == "cuda"
         self.data = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=self.cuda)
         self._flag = bytearray(num_pages)  # host mirror of each row's FP8 flag (tiered pools)
@@ -249,34 +202,12 @@ class HostKVPool:
     # ----------------------------------------------------------------- helpers
     def _gather(self, device_pages: Sequence[int], slots: Sequence[int] | None) -> torch.Tensor:
         """Device staging [n, page_bytes] uint8 of the pages' records."""
-        pool, n = self.pool, len(device_pages)
-        staging = torch.empty((n, self.page_bytes), dtype=torch.uint8, device=pool.device)
-        index = torch.tensor(device_pages, dtype=torch.int64).to(pool.device, non_blocking=True)
-        for raw, offset, size in self._page_segments:
-            torch.index_select(raw, 0, index, out=staging[:, offset:offset + size].view(n, *raw.shape[1:]))
-        if slots is not None:
-            flags = torch.tensor([s > 0 for s in slots], dtype=torch.uint8)
-            staging[:, self._flag_offset].copy_(flags.to(pool.device, non_blocking=True))
-            index = torch.tensor(slots, dtype=torch.int64).to(pool.device, non_blocking=True)
-            for raw, offset, size in self._slot_segments:
-                torch.index_select(raw, 0, index, out=staging[:, offset:offset + size].view(n, *raw.shape[1:]))
-        return staging
+        return self.records.gather(device_pages, slots)
 
     def _scatter(self, staging: torch.Tensor, device_pages: Sequence[int], fp8_rows: Sequence[int],
                  slots: Sequence[int]) -> None:
         """Staging [n, page_bytes] -> the pages (and rows ``fp8_rows`` -> FP8 ``slots``)."""
-        device, n = self.pool.device, len(device_pages)
-        index = torch.tensor(device_pages, dtype=torch.int64).to(device, non_blocking=True)
-        for raw, offset, size in self._page_segments:
-            raw.index_copy_(0, index, staging[:, offset:offset + size].view(n, *raw.shape[1:]))
-        if not fp8_rows:
-            return
-        m = len(fp8_rows)
-        if m < n:
-            staging = staging.index_select(0, torch.tensor(fp8_rows, dtype=torch.int64).to(device, non_blocking=True))
-        index = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
-        for raw, offset, size in self._slot_segments:
-            raw.index_copy_(0, index, staging[:, offset:offset + size].view(m, *raw.shape[1:]))
+        self.records.scatter(staging, device_pages, fp8_rows, slots)
 
     def _check(self, device_pages: Sequence[int], host_pages: Sequence[int], repeated: Sequence[int],
                where: str) -> int:

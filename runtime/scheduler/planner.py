@@ -147,8 +147,8 @@ class BatchPlanner:
     def add(self, req: Req) -> None:
         bisect.insort_right(self.waiting, req, key=_arrival)
         self.order.add(req)
-        if self.enable_prefix_reuse and self.cache.hicache is not None:
-            self.cache.start_prefetch(req, self._match_limit(req))  # disk pages come while it waits
+        if self.enable_prefix_reuse and self.cache.prefetches:
+            self.cache.start_prefetch(req, self._match_limit(req))  # disk / peer pages come while it waits
 
     def _take_waiting(self, req: Req) -> bool:
         """Remove ``req`` from ``waiting`` if it is there (a binary search on arrival)."""
@@ -359,7 +359,7 @@ class BatchPlanner:
                 if req.num_inflight or self.order.should_defer(req):
                     continue  # num_inflight: preempted with a token in flight, not read yet
                 if not self.cache.prefetch_ready(req):
-                    continue  # its disk pages are on their way (hierarchical cache)
+                    continue  # its disk or peer pages are on their way (KV tiers)
                 admitted = self._admit_one(decision, req, budget)
                 if admitted is None:
                     break

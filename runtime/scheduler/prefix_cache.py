@@ -21,14 +21,19 @@ device pages into pages cached in host memory or on disk: the host part is loade
 new device pages at admission (they join the tree's pages of the page table), the disk
 part is prefetched while the request waits (``start_prefetch`` / ``prefetch_ready``).
 
+With the peer KV tier (``peer``, scheduler/peer.py) a request that arrives with a router hint
+waits the same way while another replica's pages come (``start_prefetch`` /
+``prefetch_ready``); ``insert_loaded`` puts them into the tree as if computed.
+
 With ``--kv-events-endpoint`` an ``events`` recorder (runtime/kv_events.py) hears every device
-page the tree takes (``cache``: inserted, or loaded back and inserted), drops (``alloc``'s
-evictions) or loses at once (``flush``); the scheduler publishes what it recorded once per
-loop turn.
+page the tree takes (``cache`` and ``insert_loaded``: inserted, or loaded back and inserted),
+drops (``alloc``'s evictions) or loses at once (``flush``); the scheduler publishes what it
+recorded once per loop turn.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from radixlm.radix import RadixTree
@@ -46,6 +51,7 @@ class PrefixCache:
         self.tree = tree
         self.page_size = page_size
         self.hicache = hicache  # a scheduler.hicache.HiCache, or None
+        self.peer: Any = None  # a scheduler.peer.PeerCache, or None (set by the scheduler)
         self.num_evicted_pages = 0
         self.events: KVEventRecorder | None = None  # set by the scheduler (--kv-events-endpoint)
 
@@ -70,9 +76,8 @@ class PrefixCache:
             self.tree.inc_lock(node)
         if self.hicache is not None:
             self.hicache.on_match(match.node)
-            if not req.admitted:
-                req.cached_tiers = {"device": match.num_tokens, **(source or {"host": 0, "disk": 0})}
-                self.hicache.count_hits(match.num_tokens, source or {})
+        if not req.admitted and (self.hicache is not None or self.peer is not None):
+            self._count_tiers(req, match.num_tokens, source)
         if not pages:
             return 0
         req.tree_node = node
@@ -81,28 +86,111 @@ class PrefixCache:
         req.num_computed = len(pages) * self.page_size
         return req.num_computed
 
+    def _count_tiers(self, req: Req, device_tokens: int, source: dict[str, int] | None) -> None:
+        """``req.cached_tiers`` at its first admission: the device run split into the
+        tokens a peer fetch inserted for it (``req.peer_span``) and the rest, plus the
+        tokens loaded from host and disk (``source``); the tiers' hit counters."""
+        peer = 0
+        if req.peer_span is not None:
+            first, end = req.peer_span
+            peer = max(0, min(end, device_tokens) - first)
+        tiers = {"device": device_tokens - peer}
+        if self.hicache is not None:
+            tiers.update(source or {"host": 0, "disk": 0})
+            self.hicache.count_hits(device_tokens - peer, source or {})
+        if self.peer is not None:
+            tiers["peer"] = peer
+            self.peer.stats.hit_tokens += peer
+        req.cached_tiers = tiers
+
     # ----------------------------------------------------------------- lower tiers
+    @property
+    def prefetches(self) -> bool:
+        """Whether arriving requests may wait for pages (hierarchical cache, peer tier)."""
+        return self.hicache is not None or self.peer is not None
+
     def start_prefetch(self, req: Req, max_tokens: int) -> None:
-        """A request starts waiting: read its disk-only cached pages into host memory."""
-        if self.hicache is None or self.hicache.disk is None or max_tokens < self.page_size:
+        """A request starts waiting: read its disk-only cached pages into host memory, or
+        ask the peer its router hint names for the pages it lacks."""
+        if self.tree is None or max_tokens < self.page_size:
+            return
+        if self.peer is not None and self.peer.start(req, max_tokens):
+            return
+        if self.hicache is None or self.hicache.disk is None:
             return
         match = self.tree.match_prefix(req.token_array(max_tokens))
         if match.tail:
             self.hicache.prefetch(req.rid, match.tail, match.num_tokens)
 
     def prefetch_ready(self, req: Req) -> bool:
-        """False while ``req`` waits for a disk prefetch (not timed out)."""
-        return self.hicache is None or self.hicache.prefetch_ready(req.rid)
+        """False while ``req`` waits for a disk prefetch or a peer fetch (not timed out)."""
+        return ((self.hicache is None or self.hicache.prefetch_ready(req.rid))
+                and (self.peer is None or self.peer.ready(req)))
 
     def cancel_prefetch(self, req: Req) -> None:
         if self.hicache is not None:
             self.hicache.cancel_prefetch(req.rid)
+        if self.peer is not None:
+            self.peer.cancel(req)
 
     def issue(self) -> None:
         """Run the tier copies planned this step (before the step's launch)."""
         if self.hicache is not None:
             self.hicache.issue()
             self.hicache.poll()
+
+    def take_arrivals(self) -> None:
+        """Insert the peer pages that arrived (``PeerCache.poll``); at the start of a step,
+        before planning (``insert_loaded``)."""
+        if self.peer is not None:
+            self.peer.poll()
+
+    def insert_loaded(self, tokens: Any, start: int, num_pages: int,
+                      fill: Callable[[list[int], int], None]) -> tuple[Any, int]:
+        """Insert pages that hold the KV of ``tokens[start:]`` (``num_pages`` whole pages,
+        from another replica) as if computed: the tree's device run over ``tokens`` must
+        reach ``start``; the pages it lacks past its run get device pages from ``alloc``
+        (which may evict), ``fill(pages, skip)`` writes them from the loaded page ``skip``
+        on, and they are inserted (a tiered tree's nodes cached below are promoted; the
+        write policy copies them down as any insert). Returns (the node ending at the end
+        of ``tokens``, the first token inserted), or (None, 0) when the run does not reach
+        ``start`` or no pages are left; (node, len(tokens)) when it already held them.
+
+        Call it before planning a step, not during: ``fill`` writes the pages now, and a page
+        that a plan freed may still have to be read (a swap-out, run after planning). The
+        hierarchical cache's copies queued so far (saves of pages the allocation evicted,
+        write-back) are issued before ``fill`` writes. If ``fill`` raises, the pages go back
+        to the allocator and the exception propagates."""
+        size = self.page_size
+        end = start + num_pages * size
+        match = self.tree.match_prefix(tokens[:end])
+        have = match.num_tokens
+        if have < start:
+            return None, 0
+        if have >= end:
+            return match.node, end
+        self.tree.inc_lock(match.node)  # the run stays while pages are allocated
+        try:
+            pages = self.alloc((end - have) // size)
+            if pages is None:
+                return None, 0
+            if self.hicache is not None:
+                self.hicache.issue()  # an evicted page's save reads it before it is rewritten
+            try:
+                fill(pages, (have - start) // size)
+            except BaseException:
+                self.allocator.free(pages)
+                raise
+            result = self.tree.insert(tokens[:end], list(match.pages) + pages)
+            if self.events is not None:
+                self.events.stored(tokens[:end], result.pages)
+        finally:
+            self.tree.dec_lock(match.node)
+        self.allocator.free([mine for mine, kept in zip(pages, result.pages[have // size :], strict=True)
+                             if mine != kept])
+        if self.hicache is not None:
+            self.hicache.on_insert(result.node)
+        return result.node, have
 
     # ----------------------------------------------------------------- allocation
     @property
@@ -224,7 +312,10 @@ class PrefixCache:
         )
         if self.tree is not None:
             self.tree.check_invariants()
-            if not live and not (self.hicache is not None and self.hicache.prefetches):
+            if not live and not (self.hicache is not None and self.hicache.prefetches) and not (
+                    self.peer is not None and self.peer.holds_locks):
                 assert self.tree.protected_pages == 0, "lock held with no live request"
         if self.hicache is not None:
             self.hicache.check_invariants()
+        if self.peer is not None:
+            self.peer.check_invariants()

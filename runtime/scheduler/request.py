@@ -49,8 +49,13 @@ class Req:
     num_tree_pages: int = 0  # leading pages of `pages` owned by the radix tree
     tree_node: Any = None  # radix node locked by this request (None: nothing locked)
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
-    cached_tiers: dict[str, int] | None = None  # cached_tokens by where they came from (hierarchical cache)
+    cached_tiers: dict[str, int] | None = None  # cached_tokens by where they came from (KV tiers)
     admitted: bool = False
+    # Peer KV tier: the router's hint (replica, tokens; -1 / 0: none) and the token span a
+    # peer fetch inserted for this request (scheduler/peer.py).
+    peer_rank: int = -1
+    peer_tokens: int = 0
+    peer_span: tuple[int, int] | None = None
 
     finish_reason: str | None = None
     matched_stop: int | str | None = None
@@ -99,6 +104,8 @@ class Req:
             top_logprobs_num=msg.top_logprobs_num,
             stream=msg.stream,
             arrival=arrival,
+            peer_rank=msg.peer_rank,
+            peer_tokens=msg.peer_tokens,
         )
 
     # ----------------------------------------------------------------- sequence views

@@ -13,6 +13,7 @@ Request lifecycle (docs/ARCHITECTURE.md has the long form):
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -22,6 +23,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
 import zmq
 
 from radixlm.radix import RadixTree
@@ -29,13 +31,14 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.executor.kv_calibration import KVScalesError
 from radixlm.runtime.executor.model_loader import usable_cores
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.executor.parallel import RankPlacement
+from radixlm.runtime.executor.parallel import COLLECTIVE_TIMEOUT, PeerPlacement, RankPlacement
 from radixlm.runtime.executor.sampling import has_penalties
 from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.kv_events import KVEventPublisher, KVEventRecorder
 from radixlm.runtime.memory.page_allocator import PageAllocator
 from radixlm.runtime.scheduler.decision import ItemResult, PendingStep
 from radixlm.runtime.scheduler.hicache import HiCache
+from radixlm.runtime.scheduler.peer import PeerCache
 from radixlm.runtime.scheduler.planner import BatchPlanner
 from radixlm.runtime.scheduler.prefix_cache import PrefixCache
 from radixlm.runtime.scheduler.request import Req
@@ -114,7 +117,26 @@ class Scheduler:
         self.grammar_waiting: list[tuple[Req, Future]] = []  # compiling off the loop
         self._penalised: set[Req] = set()  # live requests with a penalty (see _needs_tokens)
         self.dp_rank = 0  # this replica's index with data parallelism (its stats carry it)
+        self.peer: PeerCache | None = None  # the peer KV tier (attach_peer)
         self.kv_publisher: KVEventPublisher | None = None  # --kv-events-endpoint (attach_kv_events)
+
+    def attach_peer(self, link: Any, outboxes: dict[int, Any], rate: float, latency: float) -> None:
+        """Turn on the peer KV tier (``--enable-peer-kv``): ``link`` a ``PeerKVLink`` of this
+        replica, ``outboxes`` sockets to the other replicas' schedulers by dp rank, ``rate``
+        and ``latency`` the measured peer read bandwidth (bytes/s) and one-page transfer
+        time (s), added to the tiers' cost model under ``peer``."""
+        costs = self.hicache.costs if self.hicache is not None else self.runner.tier_costs()
+        costs = dataclasses.replace(costs, read_bytes_per_s={**costs.read_bytes_per_s, "peer": rate},
+                                    latency_s={**costs.latency_s, "peer": latency})
+        if self.hicache is not None:
+            self.hicache.costs = costs
+            self.hicache.info["read_bytes_per_s"] = costs.read_bytes_per_s
+        self.peer = PeerCache(self.dp_rank, self.cache, link, outboxes, costs, self.args.peer_kv_timeout_s,
+                              self.args.peer_kv_min_wait_s)
+        self.peer.info = {"backend": link.backend, "read_bytes_per_s": rate, "latency_s": latency,
+                          "page_bytes": link.page_bytes, "recompute_flops_per_s": costs.compute.flops_per_s,
+                          "timeout_s": self.args.peer_kv_timeout_s, "min_wait_s": self.args.peer_kv_min_wait_s}
+        self.cache.peer = self.peer
 
     def attach_kv_events(self, publisher: KVEventPublisher) -> None:
         """Publish the radix cache's block events through ``publisher`` from now on (one
@@ -134,6 +156,11 @@ class Scheduler:
             self.control_out.append(m.FlushCacheOut(success=ok, message=reason))
         elif isinstance(msg, m.CheckInvariantsReq):
             self.control_out.append(self._invariants_report())
+        elif isinstance(msg, m.PeerFetchReq | m.PeerFetchOut) and self.peer is not None:
+            if isinstance(msg, m.PeerFetchReq):
+                self.peer.on_request(msg)
+            else:
+                self.peer.on_answer(msg)
         else:
             logger.warning("unexpected message %s", type(msg).__name__)
 
@@ -216,6 +243,7 @@ class Scheduler:
     def _step(self) -> bool:
         if self.grammar_waiting:
             self._poll_grammars()
+        self.cache.take_arrivals()  # peer pages, before the plan frees and hands out pages
         collected = False
         if self.inflight is not None and self._needs_tokens():
             self._collect()
@@ -493,6 +521,7 @@ class Scheduler:
             kv_sink_slots_total=self.runner.pool.sink_slots,
             kv_sink_slots_used=self.runner.pool.sink_tokens,
             hicache=self._hicache_stats(),
+            peer=msgspec.structs.replace(self.peer.stats) if self.peer is not None else None,
         )
 
     def _hicache_stats(self) -> m.HiCacheStats | None:
@@ -542,10 +571,13 @@ class Scheduler:
 
     @property
     def idle_timeout_ms(self) -> int:
-        """How long the loop may block on messages: 0 with work, a few ms while grammars
-        compile on their thread (no busy wait), else 50."""
+        """How long the loop may block on messages: 0 with work, 1 ms when the only work is
+        requests waiting for a peer's pages (their arrival is polled: no busy wait that
+        would take the core the peer's copy needs), a few ms while grammars compile on
+        their thread (no busy wait), else 50."""
         if self.has_work:
-            return 0
+            idle = not self.planner.running and self.inflight is None
+            return 1 if idle and self.peer is not None and self.peer.busy else 0
         return 5 if self.grammar_waiting else 50
 
     # ----------------------------------------------------------------- event loop
@@ -664,6 +696,30 @@ def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCa
     return hicache
 
 
+def join_peers(scheduler: Scheduler, placement: PeerPlacement, recv: MsgSocket) -> list[MsgSocket]:
+    """The peer KV tier of ``scheduler`` (``--enable-peer-kv``): join the replicas' process
+    group at ``placement.dist_init_addr`` (every replica does, at start-up; the group's
+    timeout is the tensor parallel groups' 30 minutes: NCCL's watchdog ends a process whose
+    op waits that long), check that every replica holds pages of one format, measure the peer
+    bandwidth (64 MiB on CUDA, 16 MiB on the CPU) and a one-page transfer, take the peers'
+    messages on ``recv`` (which also binds this replica's inbox) and connect to theirs.
+    Returns the sockets made (to close). RuntimeError if the replicas' formats differ."""
+    from radixlm.runtime.memory.peer_link import PeerKVLink
+
+    runner = scheduler.runner
+    link = PeerKVLink(placement.rank, placement.size, placement.dist_init_addr, runner.pool,
+                      COLLECTIVE_TIMEOUT.total_seconds())
+    link.check_identity(f"{runner.kv_identity()}|{link.page_bytes}")
+    rate, latency = link.measure((64 if link.device.type == "cuda" else 16) << 20)
+    recv.listen(placement.inboxes[placement.rank])
+    outboxes = {r: MsgSocket(zmq.PUSH, addr, bind=False) for r, addr in enumerate(placement.inboxes)
+                if r != placement.rank}
+    scheduler.attach_peer(link, outboxes, rate, latency)
+    logger.info("peer KV tier: %s, read bandwidth %.2f GB/s, one page (%d bytes) in %.3f ms", link.backend,
+                rate / 1e9, link.page_bytes, latency * 1e3)
+    return list(outboxes.values())
+
+
 def _admit_batch(args: ServerArgs, runner: ModelRunner) -> int:
     """--admit-batch-size, or its default: batch admissions only where decode steps replay
     CUDA graphs (eager decode steps cost as much host time as a mixed one)."""
@@ -688,16 +744,19 @@ def freeze_startup_objects() -> None:
 
 def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None,
                     stop: threading.Event | None = None, idle_spin_s: float = 0.0,
-                    placement: RankPlacement | None = None, dp_rank: int = 0) -> bool:
+                    placement: RankPlacement | None = None, dp_rank: int = 0,
+                    peer: PeerPlacement | None = None) -> bool:
     """Connect to the tokenizer side at ``recv_addr``/``send_addr``, load the model, report
     ``SchedulerReady`` (or ``SchedulerError``, then return False), then serve until the
     parent process is gone or ``stop`` is set. Runs in the scheduler process, or on a
     thread of the user's process (``runtime.engine``: ``idle_spin_s`` 0, as a spinning
     thread would hold the GIL against the caller's). ``idle_spin_s``: ``run_forever``'s.
     ``placement``: tensor parallel rank 0 of a replica (the other ranks follow its steps,
-    scheduler/tensor_parallel.py); ``dp_rank``: the replica's index (data parallelism)."""
+    scheduler/tensor_parallel.py); ``dp_rank``: the replica's index (data parallelism);
+    ``peer``: where it sits among the replicas for the peer KV tier (``join_peers``)."""
     send = MsgSocket(zmq.PUSH, send_addr, bind=False)
     recv = MsgSocket(zmq.PULL, recv_addr, bind=False)
+    peer_socks: list[MsgSocket] = []
     try:
         try:
             runner = ModelRunner(args, placement)
@@ -708,6 +767,8 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
             if args.kv_events_endpoint is not None:
                 scheduler.attach_kv_events(KVEventPublisher(
                     args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic, dp_rank))
+            if peer is not None:
+                peer_socks = join_peers(scheduler, peer, recv)
         except Exception as exc:  # report start-up failures instead of dying silently
             if isinstance(exc, KVScalesError):  # the user's file or model: the message says what
                 logger.error("scheduler failed to start: %s", exc)
@@ -722,6 +783,7 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
         ready.disable_overlap_schedule = not scheduler.overlap
         ready.weight_dtype = "/".join(dict.fromkeys(runner.weight_dtype))  # linears[/LM head]
         ready.hicache = scheduler.hicache.info if scheduler.hicache is not None else None
+        ready.peer_kv = scheduler.peer.info if scheduler.peer is not None else None
         send.send(ready)
         try:
             scheduler.run_forever(recv, send, parent_pid, stop, idle_spin_s)
@@ -730,6 +792,8 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
             gc.unfreeze()
         return True
     finally:
+        for sock in peer_socks:
+            sock.close()
         recv.close()
         send.close()
 
@@ -748,12 +812,13 @@ def idle_spin_s(args: ServerArgs, cores: int | None = None) -> float:
 
 
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int | None = None,
-                          placement: RankPlacement | None = None, dp_rank: int = 0) -> None:
-    """Entry point of the scheduler child process (``placement``, ``dp_rank``: as
+                          placement: RankPlacement | None = None, dp_rank: int = 0,
+                          peer: PeerPlacement | None = None) -> None:
+    """Entry point of the scheduler child process (``placement``, ``dp_rank``, ``peer``: as
     ``serve_scheduler``'s)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns shutdown: it drains
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # HTTP requests first, then kills us
     if not serve_scheduler(args, recv_addr, send_addr, parent_pid, idle_spin_s=idle_spin_s(args),
-                           placement=placement, dp_rank=dp_rank):
+                           placement=placement, dp_rank=dp_rank, peer=peer):
         os._exit(1)

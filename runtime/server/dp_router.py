@@ -17,6 +17,13 @@ Policies (``--dp-routing``):
   replica; else the longest cached prefix when it covers more than half the prompt; else
   the replica with the fewest cached pages.
 * ``round_robin``: replicas in turn (baseline: shared prefixes land anywhere).
+
+A request's ``data_parallel_rank`` (SGLang's field) overrides the policy. With the peer KV
+tier (``peer_hints``, ``--enable-peer-kv``) the router keeps the trees under either policy
+and, when the replica it picked matches a shorter prefix than another one (by a page or
+more), tells it where the longer one went: ``GenerateReq.peer_rank`` / ``peer_tokens``. That
+replica's scheduler may then fetch the pages from there (scheduler/peer.py) instead of
+recomputing them; the hint is never trusted (the other replica may have evicted them).
 """
 
 from __future__ import annotations
@@ -33,12 +40,14 @@ __all__ = ["BALANCE_ABS", "DP_ROUTING_POLICIES", "DPRouter"]
 
 class DPRouter:
     """Routes messages over ``socks`` (one per replica, in dp-rank order). ``capacity_tokens``:
-    each replica's KV capacity (its tree is trimmed to it); ``page_size``: the radix pages."""
+    each replica's KV capacity (its tree is trimmed to it); ``page_size``: the radix pages;
+    ``peer_hints``: attach peer KV hints (module doc)."""
 
-    def __init__(self, socks: list[Any], policy: str, capacity_tokens: int, page_size: int) -> None:
+    def __init__(self, socks: list[Any], policy: str, capacity_tokens: int, page_size: int,
+                 peer_hints: bool = False) -> None:
         if policy not in DP_ROUTING_POLICIES:
             raise ValueError(f"unknown --dp-routing {policy!r} (choices: {', '.join(DP_ROUTING_POLICIES)})")
-        self.socks, self.policy = socks, policy
+        self.socks, self.policy, self.peer_hints = socks, policy, peer_hints
         self.num_replicas = len(socks)
         self.loads = [0] * len(socks)  # samples in flight per replica
         self.routed = [0] * len(socks)  # samples sent per replica, ever
@@ -51,7 +60,9 @@ class DPRouter:
     # -------------------------------------------------------------- MsgSocket's shape
     def asend_nowait(self, msg: m.Message) -> None:
         if isinstance(msg, m.GenerateReq):
-            replica = self.pick(msg.input_ids)
+            replica, hint = self.route(msg.input_ids, msg.data_parallel_rank)
+            if hint is not None:
+                msg.peer_rank, msg.peer_tokens = hint
             self.where[msg.rid] = replica
             self.loads[replica] += 1
             self.routed[replica] += 1
@@ -72,7 +83,7 @@ class DPRouter:
 
     @property
     def trees(self) -> dict:
-        """Replica -> the radix tree of the prompts sent there (cache-aware)."""
+        """Replica -> the radix tree of the prompts sent there (cache-aware, or with hints)."""
         return self.cache_policy.trees
 
     def close(self) -> None:
@@ -80,12 +91,31 @@ class DPRouter:
             sock.close()
 
     # -------------------------------------------------------------------- the policy
-    def pick(self, ids: list[int]) -> int:
-        """The replica for a prompt of ``ids`` (and, cache-aware, record it there)."""
-        if self.policy == "round_robin":
-            return next(self._turn) % self.num_replicas
-        loads = dict(enumerate(self.loads))
-        choice = self.cache_policy.choose(ids, loads)
-        replica = choice.replica if choice.replica is not None else self.loads.index(min(self.loads))
-        self.cache_policy.record(replica, ids)
-        return replica
+    def pick(self, ids: list[int], requested: int | None = None) -> int:
+        """The replica for a prompt of ``ids`` (``route``'s, without the hint)."""
+        return self.route(ids, requested)[0]
+
+    def route(self, ids: list[int], requested: int | None = None) -> tuple[int, tuple[int, int] | None]:
+        """The replica for a prompt of ``ids`` (``requested``: the client's choice, in range)
+        and, with ``peer_hints``, (replica, tokens) of another replica whose tree matches at
+        least a page more of it (None otherwise). Records the prompt in the chosen
+        replica's tree (cache-aware, or with hints)."""
+        matched = None
+        if requested is not None:
+            replica = requested
+        elif self.policy == "round_robin":
+            replica = next(self._turn) % self.num_replicas
+        else:
+            matched = self.cache_policy.matched(ids)
+            choice = self.cache_policy.choose(ids, dict(enumerate(self.loads)), matched)
+            replica = choice.replica if choice.replica is not None else self.loads.index(min(self.loads))
+        hint = None
+        if self.peer_hints:
+            if matched is None:
+                matched = self.cache_policy.matched(ids)
+            source = max(range(self.num_replicas), key=lambda i: matched[i])
+            if matched[source] >= matched[replica] + self.cache_policy.page_size:
+                hint = (source, matched[source])
+        if self.policy == "cache_aware" or self.peer_hints:
+            self.cache_policy.record(replica, ids)
+        return replica, hint

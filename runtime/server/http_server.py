@@ -97,7 +97,7 @@ def _native_gens(tm: TokenizerManager, req: GenerateRequest, plan: ToolPlan | No
         gen = GenInput(input_ids=ids, sampling=sampling, n=sp.n, return_logprob=req.return_logprob,
                        logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                        top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
-                       stream=req.stream)
+                       stream=req.stream, data_parallel_rank=req.data_parallel_rank)
         if rid:
             gen.rid = rid
         gens.append(tm.validate(gen, field))
@@ -325,10 +325,12 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
         ``admit_batch_size``, ``idle_spin_ms``, ``disable_overlap_schedule``, ``weight_dtype`` (the decoder linears' kind, then the LM
         head's when it differs: "int4/int8"), and for the KV cache dtypes that use them
         ``kv_mixed_window_pages`` / ``kv_sink_slots``), ``hicache`` (with a hierarchical cache: tier
-        sizes in pages, page bytes, the tiers' measured read bandwidths in bytes/s), the model info, ``max_total_num_tokens`` /
+        sizes in pages, page bytes, the tiers' measured read bandwidths in bytes/s), ``peer_kv``
+        (with --enable-peer-kv: the backend, the measured peer read bandwidth in bytes/s and
+        one-page transfer in seconds, page bytes; replica 0's), the model info, ``max_total_num_tokens`` /
         ``max_req_input_len`` (SGLang's names), ``internal_states`` (per data parallel
         replica, the scheduler's last report: running/waiting requests, KV pool usage, prefix-cache hit rate,
-        preemptions), ``version`` and ``name`` ("radixlm": how clients such as ``radixlm bench
+        preemptions, ``peer``: the peer KV tier's counters, PeerStats), ``version`` and ``name`` ("radixlm": how clients such as ``radixlm bench
         serving`` tell this server from SGLang, whose info has the same keys)."""
         r = tm.ready
         resolved = {"cuda_graph_max_bs": r.cuda_graph_max_bs, "admit_batch_size": r.admit_batch_size,
@@ -340,6 +342,8 @@ def _install_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, m
             resolved["kv_sink_slots"] = args.sink_slots
         if r.hicache is not None:
             resolved["hicache"] = r.hicache
+        if r.peer_kv is not None:
+            resolved["peer_kv"] = r.peer_kv
         return {**args.public_dict(), **resolved, **model_info(tm, args, model_path),
                 "max_total_num_tokens": r.max_total_tokens, "max_req_input_len": r.context_length - 1, "kv_cache_bytes": r.kv_bytes,
                 "internal_states": [_internal_state(st) for st in tm.replica_stats()], "version": VERSION, "name": "radixlm"}
@@ -354,7 +358,8 @@ def _internal_state(stats: SchedulerStats | None) -> dict[str, Any]:
     return {"num_running_reqs": stats.num_running, "num_waiting_reqs": stats.num_waiting,
             "token_usage": stats.kv_used_pages / max(stats.kv_total_pages, 1),
             "cache_hit_rate": stats.prefill_tokens_cached / seen if seen else 0.0,
-            **msgspec.structs.asdict(stats), "hicache": msgspec.to_builtins(stats.hicache)}
+            **msgspec.structs.asdict(stats), "hicache": msgspec.to_builtins(stats.hicache),
+            "peer": msgspec.to_builtins(stats.peer)}
 
 
 async def _native_stream(tm: TokenizerManager, generation: Generation, gens: list[GenInput],

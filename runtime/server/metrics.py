@@ -96,6 +96,20 @@ class Metrics:
                                    "prefetch had not arrived when the request was admitted.")
         self.disk_skipped = gauge("hicache_disk_write_skipped_pages_total",
                                   "Pages not written to the disk tier (quota or disk full).")
+        # Peer KV tier (--enable-peer-kv): the replicas' totals.
+        self.peer_hits = gauge("peer_kv_hit_tokens_total", "Prompt tokens reused from KV pages copied from "
+                               "another data parallel replica (also counted in cached_tokens_total).")
+        self.peer_pages = tiered("peer_kv_pages_total", "KV pages copied between replicas, by direction "
+                                 "(received, sent).", "direction")
+        self.peer_bytes = tiered("peer_kv_bytes_total", "Bytes copied between replicas, by direction.", "direction")
+        self.peer_fetches = tiered("peer_kv_fetches_total", "Fetches from a peer replica by outcome (loaded: "
+                                   "pages arrived and were cached; none: the peer held none; failed).", "outcome")
+        self.peer_timeouts = gauge("peer_kv_wait_timeouts_total", "Requests admitted before their peer fetch "
+                                   "ended (they recomputed; the pages are cached when they come).")
+        self.peer_skipped = gauge("peer_kv_skipped_total", "Hinted prefixes recomputed without asking the "
+                                  "peer: the cost model, an unresponsive peer, or the replica's own lower tiers.")
+        self.peer_seconds = gauge("peer_kv_fetch_seconds_total", "Summed request -> cached time of loaded "
+                                  "fetches: divide by peer_kv_fetches_total{outcome=\"loaded\"}.")
         self.sink_used = gauge("kv_sink_slots_used", "Exact attention-sink slots claimed by a first token; "
                                "once all are, requests with a new first token read position 0 from FP8.")
 
@@ -130,6 +144,19 @@ class Metrics:
         self.skipped_loads.set(hc.skipped_loads)
         self.disk_skipped.set(hc.disk_writes_skipped)
 
+    def _render_peer(self, peer) -> None:
+        name = self.model_name
+        self.peer_hits.set(peer.hit_tokens)
+        for direction, n in (("received", peer.pages_received), ("sent", peer.pages_sent)):
+            self.peer_pages.labels(model_name=name, direction=direction).set(n)
+            self.peer_bytes.labels(model_name=name, direction=direction).set(n * peer.page_bytes)
+        for outcome, n in (("loaded", peer.fetches_loaded), ("none", peer.fetches_none),
+                           ("failed", peer.fetches_failed)):
+            self.peer_fetches.labels(model_name=name, outcome=outcome).set(n)
+        self.peer_timeouts.set(peer.waits_timed_out)
+        self.peer_skipped.set(peer.skipped)
+        self.peer_seconds.set(peer.fetch_seconds)
+
     def render(self, stats: SchedulerStats | None) -> tuple[bytes, str]:
         if stats is not None:
             self.num_running.set(stats.num_running)
@@ -154,4 +181,6 @@ class Metrics:
             self.sink_used.set(stats.kv_sink_slots_used)
             if stats.hicache is not None:
                 self._render_tiers(stats.hicache)
+            if stats.peer is not None:
+                self._render_peer(stats.peer)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -169,6 +169,8 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
+    # SGLang's field: run on this data parallel replica (0 .. --dp-size - 1) instead of the router's pick
+    data_parallel_rank: int | None = Field(None, ge=0)
     image_data: Any = None  # SGLang's multimodal input: refused, the served models read text only
     # radixlm's extension for the frontend DSL: calls constrained and parsed as on the chat
     # route (meta_info.tool_calls); the prompt is the caller's text, tools are not rendered into it

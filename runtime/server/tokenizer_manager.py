@@ -128,6 +128,7 @@ class GenInput:
     stream: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: float = field(default_factory=time.perf_counter)
+    data_parallel_rank: int | None = None  # the replica to run on (data parallelism); None: the router's pick
 
 
 @dataclass
@@ -358,6 +359,9 @@ class TokenizerManager:
             gen.sampling = msgspec.structs.replace(gen.sampling, max_new_tokens=room)
         if gen.logprob_start_len >= n:
             gen.logprob_start_len = n - 1
+        if gen.data_parallel_rank is not None and not 0 <= gen.data_parallel_rank < self.num_replicas:
+            raise InvalidRequest(f"data_parallel_rank must be in [0, {self.num_replicas}) (--dp-size)",
+                                 "data_parallel_rank")
         return gen
 
     # ----------------------------------------------------------------- admission
@@ -430,7 +434,7 @@ class TokenizerManager:
             self.send.asend_nowait(m.GenerateReq(
                 rid=sid, input_ids=gen.input_ids, sampling=sp, return_logprob=gen.return_logprob,
                 logprob_start_len=gen.logprob_start_len, top_logprobs_num=gen.top_logprobs_num,
-                stream=gen.stream))
+                stream=gen.stream, data_parallel_rank=gen.data_parallel_rank))
         if self.log_requests:
             prompt = _clip(self.tokenizer.decode(gen.input_ids))
             logger.info("request %s: %d prompt tokens, n=%d, %s, prompt %r", gen.rid, len(gen.input_ids), gen.n,
@@ -489,11 +493,15 @@ class TokenizerManager:
 
 
 def merge_stats(parts: list[m.SchedulerStats]) -> m.SchedulerStats:
-    """The replicas' latest stats as one: counts and seconds summed (``page_size`` and the
-    hierarchical cache's stats are the first replica's)."""
+    """The replicas' latest stats as one: counts and seconds summed, the peer KV tier's too
+    (``page_size`` and the hierarchical cache's stats are the first replica's)."""
     first = parts[0]
     sums = {f: sum(getattr(p, f) for p in parts) for f in first.__struct_fields__
-            if f not in ("dp_rank", "page_size", "hicache")}
+            if f not in ("dp_rank", "page_size", "hicache", "peer")}
+    peers = [p.peer for p in parts if p.peer is not None]
+    if peers:
+        sums["peer"] = m.PeerStats(**{f: (max if f == "page_bytes" else sum)(getattr(p, f) for p in peers)
+                                      for f in m.PeerStats.__struct_fields__})
     return msgspec.structs.replace(first, **sums)
 
 

@@ -172,6 +172,13 @@ def kill_model_process():
     return kill
 
 
+@pytest.fixture
+def model_pids():
+    """``pids(srv) -> [pid]``: the server's model processes (``model_processes``), sorted
+    (replica 0's scheduler first: it is started first)."""
+    return lambda srv: model_processes(srv.proc.pid)
+
+
 def _save_tiny(arch: str, out: Path) -> str:
     """A 2-layer random Llama / Qwen2 (hidden 64, 4 heads, 2 KV heads, MLP 96, vocabulary
     256: every dimension TP 2 splits evenly) saved in ``out``."""

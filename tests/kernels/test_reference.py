@@ -178,3 +178,48 @@ def test_int4_values_per_token_groups() -> None:
     assert bool((err <= scale.float() / 2 + 2e-3).all())
     rel = float((back - v).norm() / v.norm())
     assert 0.02 < rel < 0.15, rel  # 16 levels over each group's range
+
+
+def dense_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float,
+                   softcap: float | None, window: int | None) -> torch.Tensor:
+    """The explicit float64 oracle: q [E, H, D], k/v [L, K, D] -> [E, H, D], soft-cap before
+    the causal (bottom-right) mask, a window W keeping keys (p - W, p] of query position p."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))  # [L, H, D]
+    scores = torch.einsum("ehd,lhd->hel", q.double(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = torch.arange(q.shape[0])[:, None] + prefix_len
+    k_pos = torch.arange(k.shape[0])[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hel,lhd->ehd", probs, v)
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+@pytest.mark.parametrize("window", [None, 6])
+def test_window_and_softcap_match_the_dense_oracle(softcap: float | None, window: int | None) -> None:
+    """The fused SDPA path (no soft-cap) and the einsum path (soft-cap) of extends and of
+    batched decode, with and without a sliding window, over NaN-poisoned pages."""
+    num_heads, num_kv_heads, scale = 6, 2, 0.7  # a large scale: the soft-cap bites
+    k_pool, v_pool, table, ks, vs = make_paged([p + e for p, e in MIXED], num_kv_heads, 4, seed=5)
+    q = torch.randn(sum(e for _, e in MIXED), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(6))
+    out = paged_attention(q, k_pool, v_pool, table, [p for p, _ in MIXED], [e for _, e in MIXED], scale,
+                          softcap=softcap, window=window)  # fmt: skip
+    start = 0
+    for b, (p_len, e_len) in enumerate(MIXED):
+        ref = dense_windowed(q[start : start + e_len], ks[b], vs[b], p_len, scale, softcap, window)
+        torch.testing.assert_close(out[start : start + e_len].double(), ref, atol=1e-5, rtol=1e-5)
+        start += e_len
+    lens = [1, 5, 16, 17, 33]
+    k_pool, v_pool, table, ks, vs = make_paged(lens, num_kv_heads, 4, seed=7)
+    q = torch.randn(len(lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(8))
+    out = paged_decode_attention(q, k_pool, v_pool, table, lens, scale, softcap=softcap, window=window)
+    for b, n in enumerate(lens):
+        ref = dense_windowed(q[b : b + 1], ks[b], vs[b], n - 1, scale, softcap, window)
+        torch.testing.assert_close(out[b : b + 1].double(), ref, atol=1e-5, rtol=1e-5)
+    one = paged_decode_attention(q[4:], k_pool, v_pool, table[4:], lens[4:], scale, softcap=softcap,
+                                 window=window)  # batch 1: no padding, no mask  # fmt: skip
+    torch.testing.assert_close(one, out[4:], atol=1e-6, rtol=1e-6)

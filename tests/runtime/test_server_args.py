@@ -117,3 +117,23 @@ def test_help_shows_each_default_once():
     for flag in ("--admit-batch-size", "--idle-spin-ms", "--tokenizer-path", "--kv-mixed-window-pages"):
         assert "(default: None)" not in helps[flag], flag
     assert helps["--piecewise-cuda-graph-max-tokens"].endswith("(default: 1024)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--enable-peer-kv"], "--enable-peer-kv needs --dp-size >= 2"),
+    (["--enable-peer-kv", "--dp-size", "2", "--tp-size", "2"], "does not support --tp-size > 1"),
+    (["--enable-peer-kv", "--dp-size", "2", "--disable-radix-cache"], "--enable-peer-kv needs the radix cache"),
+    (["--enable-peer-kv", "--dp-size", "2", "--kv-cache-dtype", "fp8_e4m3"], "float KV caches only"),
+    (["--enable-peer-kv", "--dp-size", "2", "--kv-cache-dtype", "int4"], "float KV caches only"),
+    (["--peer-kv-timeout-s", "-1"], "--peer-kv-timeout-s must be a finite number >= 0"),
+    (["--peer-kv-min-wait-s", "inf"], "--peer-kv-min-wait-s must be a finite number >= 0"),
+])
+def test_peer_kv_flag_combinations_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.parse(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_peer_kv_goes_with_data_parallelism_and_the_hierarchical_cache():
+    args = ServerArgs.parse(["--enable-peer-kv", "--dp-size", "2", "--hicache-ratio", "2", "--kv-cache-dtype", "bf16"])
+    assert args.enable_peer_kv and args.peer_kv_timeout_s == 1.0 and args.peer_kv_min_wait_s == 0.05

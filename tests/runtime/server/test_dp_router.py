@@ -72,3 +72,48 @@ def test_router_tree_is_trimmed_to_the_replica_capacity() -> None:
         router.pick(list(range(k * 100, k * 100 + 16)))
     assert router.trees[0].cached_pages <= 10
     router.trees[0].check_invariants()
+
+
+def _hinted(replicas: int = 2, policy: str = "cache_aware") -> tuple[DPRouter, list[_Sock]]:
+    socks = [_Sock() for _ in range(replicas)]
+    return DPRouter(socks, policy, 1 << 20, page_size=4, peer_hints=True), socks
+
+
+def test_a_request_sent_away_from_its_prefix_carries_a_peer_hint() -> None:
+    """Replica 0 got a prompt; the same prefix sent to replica 1 (the client's choice, or
+    the load balance) names replica 0 and its matched whole pages."""
+    router, socks = _hinted()
+    prefix = list(range(1000, 1042))  # 10 whole pages and 2 tokens
+    router.asend_nowait(m.GenerateReq(rid="a", input_ids=prefix, sampling=m.SamplingParams(), data_parallel_rank=0))
+    assert socks[0].sent[-1].peer_rank == -1  # nothing anywhere: no hint
+    router.asend_nowait(m.GenerateReq(rid="b", input_ids=prefix + [7, 8], sampling=m.SamplingParams(),
+                                      data_parallel_rank=1))
+    sent = socks[1].sent[-1]
+    assert router.where["b"] == 1 and (sent.peer_rank, sent.peer_tokens) == (0, 40)
+    # replica 1 now holds it too (its tree says so): no hint either way
+    router.asend_nowait(m.GenerateReq(rid="c", input_ids=prefix + [9], sampling=m.SamplingParams(),
+                                      data_parallel_rank=1))
+    assert socks[1].sent[-1].peer_rank == -1
+    router.loads = [0, BALANCE_ABS + 1]  # the balance rule: a prefix held by 1 overflows to 0
+    other = list(range(2000, 2040))
+    router.route(other, 1)
+    replica, hint = router.route(other + [5])
+    assert replica == 0 and hint == (1, 40)
+
+
+def test_no_hint_for_less_than_a_page_or_without_the_flag() -> None:
+    router, _ = _hinted()
+    prefix = list(range(64))
+    router.route(prefix, 0)
+    _, hint = router.route(prefix[:3] + [999] * 10, 1)  # shares 3 tokens: no whole page
+    assert hint is None
+    plain, _ = _router("cache_aware")
+    plain.route(prefix, 0)
+    assert plain.route(prefix, 1) == (1, None)
+
+
+def test_round_robin_with_hints_keeps_the_trees() -> None:
+    router, _ = _hinted(policy="round_robin")
+    prefix = list(range(300, 340))
+    assert router.route(prefix) == (0, None)
+    assert router.route(prefix) == (1, (0, 40))
