@@ -21,7 +21,8 @@ threads (default: the cores this process may use):
   --continuous-batching`` from this checkout's venv (its transformers; ``OMP_NUM_THREADS``).
 
 ``--server-args ENGINE=FLAGS`` appends flags to one engine's server command (e.g.
-``transformers=--no-continuous-batching``).
+``transformers=--no-continuous-batching``), ``--server-env ENGINE=NAME=VALUE`` sets a variable
+of its environment (e.g. ``radixlm=OMP_NUM_THREADS=1``).
 
 The venvs live under ``--cache-dir`` (``~/.cache/radixlm/peers/<engine>/venv``), made once and
 reused while their requirements are unchanged (``peer.json`` in each); building llama.cpp takes
@@ -286,7 +287,7 @@ def running_server(engine: Engine, paths: Paths, python: Path, args: argparse.Na
 
     port = free_port()
     cmd = engine.command(paths, python, port, args) + shlex.split(args.server_args.get(engine.name, ""))
-    env = {**os.environ, **engine.server_env(python, args)}
+    env = {**os.environ, **engine.server_env(python, args), **args.server_env.get(engine.name, {})}
     with open(log_path, "a") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
@@ -609,6 +610,9 @@ def table(results: dict[str, Any]) -> str:
                 cell = "-" if row.optional else f"n/a ({_reason(results, e, row.workload)})"
             cells.append(cell)
         lines.append(f"| {row.label} | " + " | ".join(cells) + " |")
+    lines.append("| server start to ready (s) | " + " | ".join(
+        ", ".join(f"{r['ready_s']:.0f}" for r in rounds if r["engine"] == e and "ready_s" in r) or "-"
+        for e in engines) + " |")
     lines.append("| 1-min load average at server start | " + " | ".join(
         _load_cell(rounds, e, results["max_load"]) for e in engines) + " |")
     return "\n".join(lines)
@@ -670,6 +674,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pip-args", default="", help="extra pip install arguments for the peer venvs")
     p.add_argument("--server-args", action="append", default=[], metavar="ENGINE=FLAGS",
                    help="flags appended to one engine's server command (repeatable)")
+    p.add_argument("--server-env", action="append", default=[], metavar="ENGINE=NAME=VALUE",
+                   help="a variable of one engine's server environment (repeatable)")
     p.add_argument("--threads", type=int, default=usable_cores(), help="threads per server")
     p.add_argument("--max-load", type=float, default=0.7, help="start a server below this 1-min load")
     p.add_argument("--load-wait", type=float, default=180.0, help="wait at most this long (s) for it")
@@ -686,6 +692,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if any(not sep or name not in ENGINES for name, sep, _ in pairs):
         p.error(f"--server-args takes ENGINE=FLAGS with ENGINE one of {', '.join(ENGINES)}")
     args.server_args = {name: flags for name, _, flags in pairs}
+    env: dict[str, dict[str, str]] = {}
+    for item in args.server_env:
+        name, _, assignment = item.partition("=")
+        var, sep, value = assignment.partition("=")
+        if name not in ENGINES or not sep or not var:
+            p.error(f"--server-env takes ENGINE=NAME=VALUE with ENGINE one of {', '.join(ENGINES)}")
+        env.setdefault(name, {})[var] = value
+    args.server_env = env
     return args
 
 
@@ -741,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                 "loadavg_start": list(os.getloadavg())},
         "sizes": asdict(sizes), "threads": args.threads, "rounds_asked": args.rounds,
         "max_load": args.max_load, "load_wait_s": args.load_wait, "argv": sys.argv[1:],
-        "server_args": args.server_args,
+        "server_args": args.server_args, "server_env": args.server_env,
         "engines": {n: _engine_record(s) for n, s in states.items()}, "rounds": [],
         "paths": {"gguf": str(paths.gguf), "hf_dir": str(paths.hf_dir), "logs": str(run_dir)},
     }
