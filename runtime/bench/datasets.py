@@ -209,6 +209,7 @@ class RequestOutput:
     latency: float = 0.0
     generated_text: str = ""
     error: str = ""
+    turn: int | None = None  # sharegpt-multiturn: the turn's 1-based index in its conversation
 
 
 def load_tokenizer(path: str) -> Any:

@@ -6,8 +6,10 @@ Backends:
   the cumulative ``output_ids``, so TTFT and the inter-token gaps are per token chunk.
 * ``openai`` / ``openai-chat``: ``POST /v1/completions`` / ``/v1/chat/completions``
   streaming with ``stream_options.include_usage``, against any OpenAI-compatible server
-  (radixlm, SGLang, vLLM); the body also carries ``ignore_eos`` (an extra field the three
-  accept).
+  (radixlm, SGLang, vLLM); the body also carries ``ignore_eos: true`` (an extra field the
+  three accept) unless ``--disable-ignore-eos``. ``--extra-request-body JSON`` (SGLang's flag) adds its keys to every request's
+  body, native or OpenAI: a server's own fields, such as llama-cpp-python's ``min_tokens``
+  where ``ignore_eos`` is unknown.
 * ``hf-generate`` / ``hf-generate-batch``: transformers in this process on ``--device``
   (hf_baseline.py), offline only: ``model.generate`` over padded batches, or continuous
   batching (``generate_batch``). They stream nothing: TTFT, TPOT and ITL are null.
@@ -64,7 +66,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -307,12 +309,12 @@ class _Timer:
 
 
 async def _native(client: httpx.AsyncClient, base: str, call: Call, sampling: dict, model: str,
-                  out: RequestOutput, segments: bool) -> None:
+                  out: RequestOutput, segments: bool, extra_body: dict[str, Any]) -> None:
     """``segments``: the server streams disjoint segments (``--stream-output``), else each
     event carries the text and output_ids so far (SGLang's default)."""
     key = "text" if isinstance(call.prompt, str) else "input_ids"
     prompt = call.prompt if key == "text" else list(call.prompt)
-    body = {key: prompt, "stream": True, "sampling_params": sampling}
+    body = {key: prompt, "stream": True, "sampling_params": sampling, **extra_body}
     timer, seen, last, pieces = _Timer(out), 0, None, []
     async for event in _events(client, f"{base}/generate", body):
         new = len(event["output_ids"]) - (0 if segments else seen)
@@ -330,7 +332,7 @@ async def _native(client: httpx.AsyncClient, base: str, call: Call, sampling: di
 
 
 async def _openai(client: httpx.AsyncClient, base: str, call: Call, sampling: dict, model: str,
-                  out: RequestOutput, segments: bool) -> None:
+                  out: RequestOutput, segments: bool, extra_body: dict[str, Any]) -> None:
     """OpenAI chunks are deltas whatever ``segments`` (the native ``--stream-output``) says."""
     chat = call.messages is not None
     body: dict[str, Any] = {
@@ -339,12 +341,14 @@ async def _openai(client: httpx.AsyncClient, base: str, call: Call, sampling: di
         "stream_options": {"include_usage": True},
         "max_tokens": sampling["max_new_tokens"],
         "temperature": sampling["temperature"],
-        "ignore_eos": sampling["ignore_eos"],
     }
+    if sampling["ignore_eos"]:  # a strict server (transformers serve) refuses a field it lacks
+        body["ignore_eos"] = True
     if chat:
         body["messages"] = call.messages
     else:
         body["prompt"] = call.prompt if isinstance(call.prompt, str) else list(call.prompt)
+    body.update(extra_body)
     url = f"{base}/v1/chat/completions" if chat else f"{base}/v1/completions"
     timer, usage, pieces = _Timer(out), None, []
     async for event in _events(client, url, body):
@@ -374,6 +378,7 @@ class Client:
     http: httpx.AsyncClient
     semaphore: asyncio.Semaphore | None
     segments: bool = False  # the server's --stream-output (native backend)
+    extra_body: dict[str, Any] = field(default_factory=dict)  # --extra-request-body
     in_flight: int = 0
     max_in_flight: int = 0
 
@@ -386,7 +391,8 @@ class Client:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
                 sender = _SENDERS[self.backend]
-                await sender(self.http, self.base_url, call, sampling, self.model, out, self.segments)
+                await sender(self.http, self.base_url, call, sampling, self.model, out, self.segments,
+                             self.extra_body)
             except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
                 out.success, out.error = False, f"{type(exc).__name__}: {exc}"
             finally:
@@ -440,6 +446,7 @@ async def _run_conversations(client: Client, conversations: list[Conversation], 
             prompt_len = 0 if chat else len(tokenizer.encode(prompt, add_special_tokens=False))
             out = await client.send(Call(prompt, list(messages) if chat else None, prompt_len,
                                          output_len))
+            out.turn = len(outs) + 1
             outs.append(out)
             bar.update(1)
             if not out.success:
@@ -486,7 +493,7 @@ async def run_benchmark(args: argparse.Namespace, workload: list[BenchRequest] |
     async with httpx.AsyncClient(timeout=_TIMEOUT, limits=limits) as http:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         client = Client(args.backend, base_url, server.model, not args.disable_ignore_eos, http, sem,
-                        bool(server.info.get("stream_output")))
+                        bool(server.info.get("stream_output")), args.extra_request_body)
         chat = args.backend == "openai-chat"
         warm = await client.send(Call("Hello", [{"role": "user", "content": "Hello"}] if chat
                                       else None, 1, 4))
@@ -600,6 +607,17 @@ def plot_rate_curves(records: Sequence[dict[str, Any]], path: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- CLI
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type of ``--extra-request-body``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="radixlm bench serving",
@@ -651,6 +669,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fixed output length per turn (default: the dataset reply's)")
     p.add_argument("--disable-ignore-eos", action="store_true",
                    help="stop at EOS (default: ignore_eos, exactly the asked output lengths)")
+    p.add_argument("--extra-request-body", type=_json_object, default={}, metavar="JSON",
+                   help='a JSON object whose keys are added to every request body, e.g. '
+                   '\'{"min_tokens": 128}\' for a server without ignore_eos')
     p.add_argument("--flush-cache", action="store_true",
                    help="POST /flush_cache (radixlm, SGLang), else /reset_prefix_cache (vLLM with "
                    "VLLM_SERVER_DEV_MODE=1), before each run (after the warm-up request); neither: "
@@ -824,6 +845,7 @@ def _record(args: argparse.Namespace, rate: float, metrics: dict, numbers: dict,
         "request_rate": rate if math.isfinite(rate) else None,
         "max_concurrency": args.max_concurrency,
         "ignore_eos": not args.disable_ignore_eos,
+        "extra_request_body": args.extra_request_body,
         "seed": args.seed,
         **metrics,
         **numbers,
@@ -833,7 +855,7 @@ def _record(args: argparse.Namespace, rate: float, metrics: dict, numbers: dict,
     if args.output_details:
         rec["details"] = [
             {"prompt_len": o.prompt_len, "output_len": o.output_len, "ttft": o.ttft,
-             "itl": o.itl, "latency": o.latency, "error": o.error}
+             "itl": o.itl, "latency": o.latency, "error": o.error, "turn": o.turn}
             for o in outputs
         ]
     return rec

@@ -258,6 +258,7 @@ def test_multiturn_turns_carry_history_and_generated_replies() -> None:
     with tqdm(disable=True) as bar:
         outs = asyncio.run(bs._run_conversations(client, convs, math.inf, 0.0, 0, None, bar))
     assert len(outs) == 5
+    assert [o.turn for o in outs] == [1, 2, 3, 1, 2]  # each output knows its turn
     by_conv = {c: [t for cc, t in client.order if cc == c] for c in ("A1", "B1")}
     assert by_conv == {"A1": [1, 2, 3], "B1": [1, 2]}  # each conversation in turn order
     assert client.order[:2] == [("A1", 1), ("B1", 1)]  # conversations interleave
@@ -602,6 +603,38 @@ def test_openai_chat_without_metrics_and_flush_cache_unsupported(fake_server, tm
     [*_, rec] = _bench(fake_server, tmp_path / "runs.jsonl", "--backend", "openai", "--num-prompts", "1",
                        "--random-input-len", "4", "--random-output-len", "2", "--flush-cache")
     assert rec["cache_flushed"] is True and "warning" not in capsys.readouterr().out
+
+
+def test_extra_request_body_reaches_every_request(fake_server, tmp_path: Path, capsys) -> None:
+    """--extra-request-body adds its keys to each body (warm-up included) and to the record;
+    --disable-ignore-eos leaves the ignore_eos field out (a strict server refuses unknown
+    fields); the CLI refuses what is not a JSON object."""
+    extra = {"min_tokens": 3, "repeat_penalty": 1.0}
+    [rec] = _bench(fake_server, tmp_path / "runs.jsonl", "--backend", "openai-chat", "--num-prompts", "2",
+                   "--random-input-len", "4", "--random-output-len", "3", "--disable-ignore-eos",
+                   "--extra-request-body", json.dumps(extra))
+    assert rec["completed"] == 2 and rec["extra_request_body"] == extra and rec["ignore_eos"] is False
+    assert len(fake_server.bodies) == 3
+    assert all(b["min_tokens"] == 3 and b["repeat_penalty"] == 1.0 and b["max_tokens"] in (3, 4)
+               and "ignore_eos" not in b for b in fake_server.bodies)
+    for bad, message in (("[1]", "must be a JSON object"), ("{x", "not JSON")):
+        with pytest.raises(SystemExit):
+            bs.parse_args(["--extra-request-body", bad])
+        assert message in capsys.readouterr().err
+
+
+def test_multiturn_details_carry_the_turn(fake_server, tmp_path: Path) -> None:
+    msgs = [{"from": who, "value": f"{who} {i}"} for i in range(3) for who in ("human", "gpt")]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{k}", "conversations": msgs[: 2 * (k + 2)]}) + "\n"
+                            for k in range(2)))  # 2 and 3 turns
+    out = tmp_path / "runs.jsonl"
+    assert bs.main(["--base-url", fake_server.url, "--disable-tqdm", "--output-file", str(out),
+                    "--backend", "openai-chat", "--dataset-name", "sharegpt-multiturn", "--dataset-path",
+                    str(data), "--num-prompts", "2", "--multiturn-output-len", "2",
+                    "--multiturn-think-time", "0", "--output-details"]) == 0
+    [rec] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(d["turn"] for d in rec["details"]) == [1, 1, 2, 2, 3]
 
 
 @pytest.mark.parametrize("routes, expected", [
