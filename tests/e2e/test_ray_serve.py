@@ -186,7 +186,12 @@ def test_a_killed_server_ends_every_request_and_its_replica_comes_back(ray_app) 
     assert sum(ok for _, _, ok, _ in results) >= 1, results  # the other replica's finished
     deadline = time.monotonic() + 240
     while True:  # Ray's health check replaces the replica
-        now = _replicas(url)
+        try:
+            now = _replicas(url)
+        except httpx.HTTPError:  # the proxy restarting (a box under heavy load): ask again
+            assert time.monotonic() < deadline
+            time.sleep(2)
+            continue
         ids = {r["replica"] for r in now["replicas"]}
         if len(ids) == 2 and victim["replica"] not in ids and victim["replica"] not in now["router"]["replicas"]:
             break
