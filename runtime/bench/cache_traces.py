@@ -62,12 +62,28 @@ def _cfg(default: Any, help: str) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request: ``prompt`` and ``output`` token ids, arrival time in seconds."""
+    """One request: ``prompt`` and ``output`` ids, arrival time in seconds.
+
+    The ids are token ids (``id_tokens`` = 1), or ids of ``id_tokens``-token blocks (the
+    Mooncake trace: one id per 512-token block), in which case ``lengths`` gives the real
+    prompt and output lengths in tokens."""
 
     arrival_s: float
     prompt: tuple[int, ...]
     output: tuple[int, ...]
     session: int  # conversation / group / hot document; -1: a one-off prompt, or not known
+    lengths: tuple[int, int] | None = None  # (prompt, output) tokens; None: the id counts
+    id_tokens: int = 1  # tokens per id
+
+    @property
+    def input_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return self.lengths[0] if self.lengths else len(self.prompt) * self.id_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        """Output length in tokens (the decode steps the request runs)."""
+        return self.lengths[1] if self.lengths else len(self.output) * self.id_tokens
 
 
 def inserted_pages(req: TraceRequest, page_size: int) -> int:
@@ -360,6 +376,8 @@ def mooncake(path: str | Path, max_requests: int = 0) -> list[TraceRequest]:
             tuple(r["hash_ids"]),
             () if r["input_length"] % MOONCAKE_BLOCK_TOKENS else (0,),
             -1,
+            (r["input_length"], r["output_length"]),
+            MOONCAKE_BLOCK_TOKENS,
         )
         for r in records
     ]

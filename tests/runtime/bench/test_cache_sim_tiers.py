@@ -15,7 +15,9 @@ import pytest
 
 from radixlm.radix import EVICTION_POLICIES
 from radixlm.runtime.bench import cache_traces as ct
-from radixlm.runtime.bench.cache_sim import PageTrace, belady, replay
+from radixlm.runtime.bench.cache_min import PageTrace, belady
+from radixlm.runtime.bench.cache_model import Geometry
+from radixlm.runtime.bench.cache_sim import replay
 from radixlm.runtime.bench.cache_sim_tiers import HOST, TieredCache, replay_tiered
 from radixlm.runtime.bench.cache_traces import TraceRequest
 
@@ -65,7 +67,7 @@ def test_a_host_as_large_as_the_working_set_is_the_infinite_cache(write_policy: 
     trace = chat_trace(seed=2)
     for page_size in (1, 2):
         pt = PageTrace.build(trace, page_size)
-        infinite = belady(pt, page_size, pt.num_pages)
+        infinite = belady(pt, pt.num_pages)
         smallest = max_pages(trace, page_size)  # no request is cut
         for c1 in (smallest, 2 * smallest):
             r = replay_tiered(trace, page_size, c1, pt.num_pages, "lru", write_policy)
@@ -81,9 +83,10 @@ def test_the_host_never_holds_more_than_its_budget(policy: str, write_policy: st
     trace = chat_trace(seed=3, conversations=60)
     released = 0
     for page_size, c1, c2 in [(1, 40, 30), (2, 20, 9), (2, 25, 1), (4, 6, 12)]:
-        cache = TieredCache(page_size, c1, c2, policy, write_policy)
-        for req in trace:
-            cache.serve(req)
+        cache = TieredCache(Geometry.of(trace, page_size), c1, c2, policy, write_policy)
+        for j, req in enumerate(trace):
+            cache.arrive(j, req, scored=True)
+            cache.finish(j, req)
             assert cache.tree.tier_pages(HOST) <= c2
             assert cache.tree.cached_pages <= c1
         cache.tree.check_invariants()
@@ -110,9 +113,15 @@ def test_mooncake_loader_on_the_first_lines() -> None:
 
 @needs_mooncake
 def test_mooncake_infinite_cache_hits_its_readme_block_rate() -> None:
-    pt = PageTrace.build(ct.mooncake(MOONCAKE), page_size=1)
+    trace = ct.mooncake(MOONCAKE)
+    pt = PageTrace.build(trace, page_size=16)
     assert len(pt.paths) == 12031
-    assert round(belady(pt, 1, pt.num_pages).hit_rate, 3) == 0.366  # README: 36.6% of blocks
+    assert pt.working_set_pages == 170_899 * 32  # whole blocks, 32 pages of 16 tokens each
+    best = belady(pt, pt.working_set_pages)
+    blocks = best.cached_tokens // 512
+    assert round(blocks / sum(len(r.prompt) for r in trace), 3) == 0.366  # README: of blocks
+    assert best.prompt_tokens == sum(r.input_tokens for r in trace)
+    assert round(best.hit_rate, 3) == 0.373  # of tokens: partial last blocks never hit
 
 
 def test_mooncake_loader_sorts_and_keeps_only_whole_blocks(tmp_path: Path) -> None:
@@ -129,8 +138,13 @@ def test_mooncake_loader_sorts_and_keeps_only_whole_blocks(tmp_path: Path) -> No
         (2.0, (0, 1), (0,)),  # a full last block: inserted
         (2.0, (0, 1, 3), ()),  # ties keep file order
     ]
+    assert [(r.input_tokens, r.output_tokens) for r in trace] == [(700, 9), (1024, 5), (1500, 1)]
     # the second request hits block 0, the third blocks 0 and 1 (the full last block)
-    assert replay(trace, 1, 10, "lru").cached_tokens == 1 + 2
+    result = replay(trace, 16, 10 * 32, "lru")
+    assert result.cached_tokens == (1 + 2) * 512
+    assert result.prompt_tokens == 700 + 1024 + 1500
+    with pytest.raises(ValueError, match="not whole 24-token pages"):
+        replay(trace, 24, 100, "lru")
     assert len(ct.mooncake(path, max_requests=2)) == 2
     with pytest.raises(FileNotFoundError, match="--mooncake-path"):
         ct.mooncake(tmp_path / "missing.jsonl")
