@@ -42,7 +42,9 @@ def ticking_clock():
 
 
 def test_registry_names_and_lookup() -> None:
-    assert list(EVICTION_POLICIES) == ["lru", "lfu", "longest", "importance", "continuation-odds"]
+    assert list(EVICTION_POLICIES) == [
+        "lru", "lfu", "longest", "importance", "continuation-odds", "reuse-gap"
+    ]
     assert get_policy("lru") is lru and get_policy("lfu") is lfu
     assert get_policy("longest") is longest and get_policy("importance") is importance
     # a learned policy: one fresh model per tree
