@@ -211,10 +211,11 @@ class ContinuationOdds:
             self.log_odds[b] = math.log(p / (1 - p))
 
 
+# Fitted on the first half hour of the Mooncake trace (bench/cache/fit_eviction.py):
 REUSE_GAP_SCALE = 1.0  # a: the next gap's mean is a x the last gap + b
-REUSE_GAP_OFFSET_S = 30.0  # b, seconds
-REUSE_GAP_UNKNOWN_S = 300.0  # the mean gap after a first turn (no gap known yet), seconds
-REUSE_GAP_FIRST_LOG_ODDS = -0.55  # logit P(a first turn continues) - logit P(a later turn does)
+REUSE_GAP_OFFSET_S = 90.0  # b, seconds
+REUSE_GAP_UNKNOWN_S = 150.0  # the mean gap after a first turn (no gap known yet), seconds
+REUSE_GAP_FIRST_LOG_ODDS = -3.0  # logit P(a first turn continues) - logit P(a later turn does)
 REUSE_GAP_REFRESH_S = 10.0  # the clock snapshot the keys use is at most this old
 
 
@@ -238,7 +239,12 @@ class ReuseGap:
     known gap (a conversation's first turn) has ``mu = REUSE_GAP_UNKNOWN_S`` and log-odds
     ``REUSE_GAP_FIRST_LOG_ODDS`` relative to a later turn's (0). The constants were fitted
     on the first half hour of the Mooncake trace (bench/cache/fit_eviction.py, BENCHMARKS.md
-    "Eviction policies vs Belady").
+    "Eviction policies vs Belady"); with them a first turn ranks below any sequence whose
+    gap is under ~48 minutes (``e^(3 + ln 150) - 90`` s) at the same idle time and decays
+    faster, so first turns go first, least recently used first, and the others follow by
+    hit density. A gap is known once a conversation's second turn arrives, even if its
+    first was evicted meanwhile: the tree remembers the last use of removed prefixes
+    (``uses_ghosts``; radix/tree.py "Ghosts", as ARC and LIRS keep ghost entries).
 
     Unlike the other policies the order of two sequences changes with time (each decays at
     its own rate 1 / mu), so keys use a snapshot of the clock, ``now``: the newest

@@ -79,6 +79,16 @@ the node is cached only below. Rules:
 * locks (``lock_ref``) protect every tier's copies of the path; ``io_ref`` (per node, set
   by the owner with ``inc_io``/``dec_io``) protects only lower copies being read.
 
+Reuse gaps and ghosts: every node records ``reuse_gap``, the clock seconds between its last
+use and the match before that (``_touch``); a new leaf takes its parent's when the parent
+was matched at most once (the leaf is then a conversation's next turn, not a branch off a
+shared system prompt). When the policy asks for it (``uses_ghosts``, e.g. ``reuse-gap``),
+the tree also remembers the last use of up to ``GHOST_RECORDS`` removed nodes, keyed by
+(``prefix_len``, last page's token ids), oldest forgotten first; a new leaf whose key passes
+the end of a remembered prefix takes the time since that prefix's last use as its gap (the
+deepest such end; O(pages of the leaf) lookups). A key's last page at a given length stands
+for the whole prefix, so two prefixes that differ only before their last page share a record.
+
 Not thread-safe: one owner (the scheduler thread) calls every method.
 """
 

@@ -180,3 +180,38 @@ def test_cli_tiers_writes_jsonl_plot_and_table(
     with pytest.raises(SystemExit, match="no Mooncake trace"):
         main(["bench", "cache-sim", "--tiers", "--traces", "mooncake",
               "--mooncake-path", str(tmp_path / "missing.jsonl")])  # fmt: skip
+
+
+def test_cli_timed_mooncake_scores_after_the_warmup(tmp_path: Path, capsys) -> None:
+    from radixlm.runtime.cli import main
+
+    rng = random.Random(7)
+    lines, conversations = [], {}
+    for i in range(200):  # conversations of 1-4 turns, each turn extending the last
+        conv = rng.randrange(40)
+        prev = conversations.get(conv, [0])
+        ids = prev + [1000 * i + k for k in range(rng.randint(1, 3))]
+        conversations[conv] = ids
+        length = 512 * (len(ids) - 1) + rng.randint(1, 512)
+        lines.append({"timestamp": 500 * i, "input_length": length,
+                      "output_length": rng.randint(1, 300), "hash_ids": ids})  # fmt: skip
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["bench", "cache-sim", "--traces", "mooncake", "--mooncake-path", str(path),
+            "--capacities", "0.05", "0.2", "--prefill-tokens-per-s", "2000",
+            "--decode-step-ms", "20", "--warmup-s", "50", "--output-dir", str(tmp_path),
+            "--no-progress"]  # fmt: skip
+    main(argv)
+    rows = [json.loads(x) for x in (tmp_path / "cache_sim.jsonl").read_text().splitlines()]
+    (info,) = [r for r in rows if r["kind"] == "trace"]
+    assert info["service"] == {"prefill_tokens_per_s": 2000.0, "decode_step_s": 0.02}
+    assert info["page_size"] == 16 and info["working_set_pages"] % 32 == 0
+    results = [r for r in rows if r["kind"] == "result"]
+    assert len(results) == 2 * (len(EVICTION_POLICIES) + 1)
+    scored = sum(line["input_length"] for line in lines if line["timestamp"] >= 50_000)
+    assert {r["prompt_tokens"] for r in results} == {scored}
+    for f in (0.05, 0.2):
+        at = {r["policy"]: r for r in results if r["capacity_fraction"] == f}
+        assert all(r["hit_rate"] <= at["belady"]["hit_rate"] + 1e-12 for r in at.values())
+        assert all(r["cached_tokens"] % 512 == 0 for p, r in at.items() if p != "belady")
+    assert "| 5% |" in capsys.readouterr().out
