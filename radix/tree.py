@@ -246,6 +246,7 @@ class RadixTree:
         eviction_policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
         tiers: Sequence[str] = (),
+        tier_eviction_policy: str | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -261,6 +262,7 @@ class RadixTree:
         self._page_bytes = page_size * TOKEN_BYTES
         self._first_page = struct.Struct(f"={page_size}{TOKEN_TYPECODE}").unpack_from  # child dict key
         self.eviction_policy = eviction_policy
+        self.tier_eviction_policy = tier_eviction_policy or eviction_policy  # lower tiers' order
         self._policy = get_policy(eviction_policy)
         self._clock = clock
         self.listener: TreeListener | None = None
@@ -278,7 +280,7 @@ class RadixTree:
         self._cached = 0  # pages held by all nodes
         self._protected = 0  # device pages held by nodes with lock_ref > 0
         # One policy instance per lower tier (a learned policy's statistics are per tier).
-        self._tier_heaps = [CandidateHeap(get_policy(self.eviction_policy)) for _ in self.tiers]
+        self._tier_heaps = [CandidateHeap(get_policy(self.tier_eviction_policy)) for _ in self.tiers]
         self._tier_pages = [0] * len(self.tiers)  # pages with a copy per lower tier
 
     # ------------------------------------------------------------------ queries

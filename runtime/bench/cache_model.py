@@ -182,10 +182,13 @@ class PoolReplay:
         policy: str,
         timed: bool,
         tiers: Sequence[str] = (),
+        tier_policy: str | None = None,
     ) -> None:
         self.geo, self.capacity, self.policy, self.timed = geo, capacity, policy, timed
         self.now = 0.0
-        self.tree = RadixTree(geo.ids_per_page, policy, clock=lambda: self.now, tiers=tiers)
+        self.tree = RadixTree(
+            geo.ids_per_page, policy, lambda: self.now, tiers, tier_eviction_policy=tier_policy
+        )
         self._page_ids = itertools.count()
         self.private = 0  # KV pages held by running requests outside the tree
         self.running: dict[int, tuple[TreeNode, list[int], int, RequestPages]] = {}

@@ -37,6 +37,7 @@ from radixlm.runtime.bench.cache_min import BELADY, PageTrace, belady
 from radixlm.runtime.bench.cache_model import Geometry, PoolReplay, ServiceModel
 from radixlm.runtime.bench.cache_sim_tiers import (
     WRITE_POLICIES,
+    format_tier_policies,
     format_tier_table,
     plot_tiers,
     replay_tiered,
@@ -148,9 +149,19 @@ class Workload:
     def belady(self, capacity: int, device: int | None = None):
         return belady(self.pt, capacity, device)
 
-    def replay_tiered(self, c1: int, c2: int, policy: str, write_policy: str):
+    def replay_tiered(
+        self, c1: int, c2: int, policy: str, write_policy: str, host_policy: str | None = None
+    ):
         return replay_tiered(
-            self.requests, self.page_size, c1, c2, policy, write_policy, self.service, self.warmup_s
+            self.requests,
+            self.page_size,
+            c1,
+            c2,
+            policy,
+            write_policy,
+            self.service,
+            self.warmup_s,
+            host_policy,
         )
 
 
@@ -175,9 +186,10 @@ def tier_sweep(
     host_fractions: Sequence[float],
     policies: Sequence[str],
     write_policy: str,
+    host_policy: str | None = None,
 ) -> Iterator[dict]:
     """Two tiers (``cache_sim_tiers``): one JSON line per device fraction f1, host
-    fraction f2 and policy, C1 = ``Workload.pages(f1)`` KV pages (at least one tree page)
+    fraction f2 and policy (the host's: ``host_policy``, default the same), C1 = ``Workload.pages(f1)`` KV pages (at least one tree page)
     and C2 = ``Workload.pages(f2)``: the replay's totals and hit rates, and Belady at C1
     and at C1 + C2 with the locks of a C1 pool (bounds on the device and the total hit
     rate)."""
@@ -195,11 +207,12 @@ def tier_sweep(
             "belady_total_hit_rate": belady_rate(c1 + c2, c1),
         }
         for policy in policies:
-            r = work.replay_tiered(c1, c2, policy, write_policy)
+            r = work.replay_tiered(c1, c2, policy, write_policy, host_policy)
             yield {
                 "kind": "tier_result",
                 "trace": work.name,
                 "policy": policy,
+                "host_policy": host_policy or policy,
                 "write_policy": write_policy,
                 "device_fraction": f1,
                 "host_fraction": f2,
@@ -428,6 +441,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="host tier sizes as fractions of each trace's working set (0: no host tier)",
     )
     tiers.add_argument(
+        "--host-policy",
+        choices=tuple(EVICTION_POLICIES),
+        help="the host tier's eviction policy (default: each --policies one, as the server "
+        "orders every tier by its --radix-eviction-policy)",
+    )
+    tiers.add_argument(
         "--write-policy",
         choices=WRITE_POLICIES,
         default="write_back",
@@ -526,7 +545,12 @@ def _run_tiers(args: argparse.Namespace, out: Path) -> int:
             work, info = load_trace(trace, args)
             rows.append(info)
             sweep = tier_sweep(
-                work, args.device_capacities, args.host_capacities, args.policies, args.write_policy
+                work,
+                args.device_capacities,
+                args.host_capacities,
+                args.policies,
+                args.write_policy,
+                args.host_policy,
             )
             for row in sweep:
                 rows.append(row)
@@ -544,6 +568,8 @@ def _run_tiers(args: argparse.Namespace, out: Path) -> int:
         print(f"\n{trace_header(info)}")
         for policy in args.policies:
             print(format_tier_table(trace, results, policy))
+        if len(args.policies) > 1 and "lru" in args.policies:
+            print(format_tier_policies(trace, results, args.policies))
     print(f"\nwrote {out / 'cache_sim_tiers.jsonl'} and {out / 'cache_sim_tiers.png'}")
     return 0
 

@@ -59,6 +59,7 @@ __all__ = [
     "TieredCache",
     "replay_tiered",
     "format_tier_table",
+    "format_tier_policies",
     "plot_tiers",
 ]
 
@@ -109,6 +110,7 @@ class TieredCache(PoolReplay):
         policy: str = "lru",
         write_policy: str = "write_back",
         timed: bool = False,
+        host_policy: str | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; choose from {WRITE_POLICIES}")
@@ -116,7 +118,7 @@ class TieredCache(PoolReplay):
             raise ValueError(
                 f"need device_pages >= 1, host_pages >= 0: {device_pages}, {host_pages}"
             )
-        super().__init__(geo, device_pages, policy, timed, tiers=("host",))
+        super().__init__(geo, device_pages, policy, timed, ("host",), host_policy)
         self.host_pages, self.write_policy = host_pages, write_policy
         self.tree.on_release = self._release
         if write_policy == "write_back":
@@ -201,12 +203,15 @@ def replay_tiered(
     write_policy: str = "write_back",
     service: ServiceModel | None = None,
     warmup_s: float = 0.0,
+    host_policy: str | None = None,
 ) -> TierResult:
     """Replay ``trace`` on a ``TieredCache`` of C1 = ``device_pages``, C2 = ``host_pages``
     KV pages of ``page_size`` tokens: instant, or timed with ``service``; requests
-    arriving before ``warmup_s`` are not scored."""
+    arriving before ``warmup_s`` are not scored. ``host_policy``: the host tier's eviction
+    policy (default: ``policy``, as the server's one policy for every tier)."""
     geo = Geometry.of(trace, page_size)
-    cache = TieredCache(geo, device_pages, host_pages, policy, write_policy, service is not None)
+    timed = service is not None
+    cache = TieredCache(geo, device_pages, host_pages, policy, write_policy, timed, host_policy)
     cache.run(trace, service, warmup_s)
     return cache.result()
 
@@ -229,6 +234,27 @@ def format_tier_table(trace: str, rows: list[dict], policy: str) -> str:
             f"| {r['host_hit_rate']:.1%} | {r['hit_rate']:.1%} | {r['belady_device_hit_rate']:.1%} "
             f"| {r['belady_total_hit_rate']:.1%} |"
         )
+    return "\n".join(lines)
+
+
+def format_tier_policies(trace: str, rows: list[dict], policies: Sequence[str]) -> str:
+    """Markdown: per device and host size, every policy's total hit rate with the share of
+    the LRU -> Belady (device + host) gap it closes."""
+    by = {(r["device_fraction"], r["host_fraction"], r["policy"]): r for r in rows if r["trace"] == trace}
+    sizes = sorted({(d, h) for d, h, _ in by})
+    lines = [
+        f"| {trace}: device | host | " + " | ".join(policies) + " | Belady (device + host) |",
+        "|" + "---|" * (len(policies) + 3),
+    ]
+    for d, h in sizes:
+        lru, best = by[d, h, "lru"]["hit_rate"], by[d, h, policies[0]]["belady_total_hit_rate"]
+        cells = []
+        for p in policies:
+            rate = by[d, h, p]["hit_rate"]
+            gap = best - lru
+            closed = "" if p == "lru" or gap < 1e-9 else f" ({(rate - lru) / gap:+.0%})"
+            cells.append(f"{rate:.1%}{closed}")
+        lines.append(f"| {100 * d:g}% | {100 * h:g}% | " + " | ".join(cells) + f" | {best:.1%} |")
     return "\n".join(lines)
 
 

@@ -203,6 +203,7 @@ class MooncakeWindow:
     sample: int = 1  # keep one conversation in this many
     time_scale: float = 1.0  # the window is replayed this many times faster
     block_tokens: int = 512  # tokens per hash block (512: the trace's own lengths)
+    output_scale: float | None = None  # output lengths x this (None: x block_tokens / 512)
 
 
 def mooncake_requests(
@@ -217,12 +218,14 @@ def mooncake_requests(
     * lengths x ``block_tokens / 512``: each hash id becomes a fixed block of
       ``block_tokens`` random token ids (seeded by the id), so two prompts share exactly
       the blocks the trace says they share; the prompt is those blocks cut to the scaled
-      input length (at least 1), the output the scaled output length (at least 1);
+      input length (at least 1), the output the output length x ``output_scale`` (by
+      default the same scale; at least 1);
     * sent at ``(timestamp - start_s) / time_scale`` seconds from the run's start.
     """
     from radixlm.runtime.bench.cache_traces import MOONCAKE_BLOCK_TOKENS, mooncake
 
     scale = window.block_tokens / MOONCAKE_BLOCK_TOKENS
+    out_scale = scale if window.output_scale is None else window.output_scale
     end = window.start_s + window.duration_s
     blocks: dict[int, tuple[int, ...]] = {}
 
@@ -240,7 +243,8 @@ def mooncake_requests(
         length = max(1, round(req.input_tokens * scale))
         ids = tuple(t for h in req.prompt for t in block(h))[:length]
         arrival = (req.arrival_s - window.start_s) / window.time_scale
-        out.append(BenchRequest(ids, len(ids), max(1, round(req.output_tokens * scale)), -1, arrival))
+        output = max(1, round(req.output_tokens * out_scale))
+        out.append(BenchRequest(ids, len(ids), output, -1, arrival))
     return out
 
 

@@ -666,6 +666,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="mooncake: replay the window this many times faster than recorded")
     p.add_argument("--mooncake-block-tokens", type=int, default=512,
                    help="mooncake: tokens per 512-token hash block; lengths scale by it / 512")
+    p.add_argument("--mooncake-output-scale", type=float,
+                   help="mooncake: output lengths x this (default: the prompts' scale)")
     p.add_argument("--disable-ignore-eos", action="store_true",
                    help="stop at EOS (default: ignore_eos, exactly the asked output lengths)")
     p.add_argument("--flush-cache", action="store_true",
@@ -828,7 +830,7 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list:
 
         window = MooncakeWindow(args.mooncake_start_s, args.mooncake_duration_s,
                                 args.mooncake_sample, args.mooncake_time_scale,
-                                args.mooncake_block_tokens)
+                                args.mooncake_block_tokens, args.mooncake_output_scale)
         return mooncake_requests(args.dataset_path or MooncakeConfig.path, window,
                                  len(tokenizer), args.seed)
     return multiturn_conversations(tokenizer, args.num_prompts, args.seed,

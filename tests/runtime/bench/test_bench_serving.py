@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import socket
@@ -148,6 +149,8 @@ def test_mooncake_requests_share_blocks_scale_lengths_and_keep_times(tmp_path: P
     assert other.prompt[:16] == first.prompt[:16] and other.prompt[16:] != first.prompt[16:22]
     assert single.prompt == first.prompt[:9]
     assert mooncake_requests(str(path), window, vocab=1000, seed=5) == reqs
+    longer = dataclasses.replace(window, output_scale=0.25)  # outputs 64, 10, 1, 32 x 1/4
+    assert [r.output_len for r in mooncake_requests(str(path), longer, 1000)] == [16, 2, 1, 8]
     halves = MooncakeWindow(start_s=0.0, duration_s=100.0, sample=2, block_tokens=16)
     kept = mooncake_requests(str(path), halves, vocab=1000)
     # second block 8 kept (both turns and the later one), 3 dropped; the 1-block prompt

@@ -215,3 +215,16 @@ def test_cli_timed_mooncake_scores_after_the_warmup(tmp_path: Path, capsys) -> N
         assert all(r["hit_rate"] <= at["belady"]["hit_rate"] + 1e-12 for r in at.values())
         assert all(r["cached_tokens"] % 512 == 0 for p, r in at.items() if p != "belady")
     assert "| 5% |" in capsys.readouterr().out
+
+
+def test_the_host_tier_can_have_its_own_policy() -> None:
+    from radixlm.radix.eviction import lru
+
+    trace = chat_trace(seed=4, conversations=60)
+    geo = Geometry.of(trace, 2)
+    cache = TieredCache(geo, 20, 9, "lfu", "write_back", host_policy="lru")
+    assert cache.tree._policy is not lru and cache.tree._tier_heaps[0]._policy is lru
+    same = replay_tiered(trace, 2, 20, 9, "lfu", host_policy="lfu")
+    assert same == replay_tiered(trace, 2, 20, 9, "lfu")
+    mixed = replay_tiered(trace, 2, 20, 9, "lfu", host_policy="lru")
+    assert mixed.host_hit_tokens != same.host_hit_tokens
