@@ -723,9 +723,11 @@ class RadixTree:
         return None
 
     def _add_ghost(self, node: TreeNode) -> None:
-        ghosts = self._ghosts
-        ghosts[node.prefix_len, node.packed[-self._page_bytes :]] = node.last_access
-        ghosts.move_to_end((node.prefix_len, node.packed[-self._page_bytes :]))
+        """Remember a removed node's last use, forgetting the oldest record past
+        ``GHOST_RECORDS``."""
+        ghosts, key = self._ghosts, (node.prefix_len, node.packed[-self._page_bytes :])
+        ghosts[key] = node.last_access
+        ghosts.move_to_end(key)
         if len(ghosts) > GHOST_RECORDS:
             ghosts.popitem(last=False)
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from radixlm.radix import MatchResult, RadixTree
 from radixlm.radix.tree import TreeNode
-from radixlm.runtime.bench.cache_traces import TraceRequest
+from radixlm.runtime.bench.cache_traces import TraceRequest, inserted_pages
 
 __all__ = [
     "ServiceModel",
@@ -118,7 +118,7 @@ def request_pages(req: TraceRequest, geo: Geometry, timed: bool) -> RequestPages
     request's KV (prompt + output tokens, in KV pages) privately until it finishes."""
     ids = geo.ids_per_page
     counted = (len(req.prompt) - 1) // ids
-    inserted = (len(req.prompt) + len(req.output) - 1) // ids
+    inserted = inserted_pages(req, ids)
     if not timed:
         return RequestPages(counted, inserted, inserted, 0)
     arrival = min(len(req.prompt) // ids, inserted)
