@@ -33,10 +33,11 @@ from typing import Any
 from tqdm import tqdm
 
 from radixlm.radix import EVICTION_POLICIES, MatchResult
-from radixlm.runtime.bench.cache_min import BELADY, PageTrace, belady
+from radixlm.runtime.bench.cache_min import BELADY, MinResult, PageTrace, belady
 from radixlm.runtime.bench.cache_model import Geometry, PoolReplay, ServiceModel
 from radixlm.runtime.bench.cache_sim_tiers import (
     WRITE_POLICIES,
+    TierResult,
     format_tier_policies,
     format_tier_table,
     plot_tiers,
@@ -57,6 +58,7 @@ from radixlm.runtime.bench.cache_traces import (
 
 __all__ = [
     "SimResult",
+    "Workload",
     "replay",
     "capacity_sweep",
     "tier_sweep",
@@ -146,12 +148,12 @@ class Workload:
     def replay(self, capacity: int, policy: str) -> SimResult:
         return replay(self.requests, self.page_size, capacity, policy, self.service, self.warmup_s)
 
-    def belady(self, capacity: int, device: int | None = None):
+    def belady(self, capacity: int, device: int | None = None) -> MinResult:
         return belady(self.pt, capacity, device)
 
     def replay_tiered(
         self, c1: int, c2: int, policy: str, write_policy: str, host_policy: str | None = None
-    ):
+    ) -> TierResult:
         return replay_tiered(
             self.requests,
             self.page_size,
