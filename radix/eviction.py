@@ -18,6 +18,8 @@ figures are in BENCHMARKS.md "Eviction policies vs Belady"):
 * ``importance``: a weighted score in seconds, lowest first; see ``importance``.
 * ``continuation-odds``: recency plus the log-odds, learned online, that a cached
   sequence of its length is used again; see ``ContinuationOdds``.
+* ``reuse-gap``: expected hits per page and second from the time between a
+  conversation's turns (``reuse_gap``); see ``ReuseGap``.
 
 Contract a policy must keep (the tree's heap relies on it):
 
@@ -35,6 +37,7 @@ Contract a policy must keep (the tree's heap relies on it):
   that node would be evicted later than its true key says.
 * A learned policy's keys may change only inside ``refresh`` (its model snapshot),
   after which the heap re-keys every entry; between refreshes both rules above hold.
+  (``reuse_gap`` changes only with a match, which also touches ``last_access``.)
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class NodeStats(Protocol):
     last_access: float  # clock value of the last match/insert that touched the node
     hit_count: int  # number of match_prefix calls that matched into the node
     prefix_len: int  # tokens from the root to the end of the node's key
+    reuse_gap: float  # clock seconds between its last two uses; inf: not known (tree._touch)
 
     @property
     def num_pages(self) -> int: ...
@@ -207,12 +211,92 @@ class ContinuationOdds:
             self.log_odds[b] = math.log(p / (1 - p))
 
 
+# Fitted on the first half hour of the Mooncake trace (bench/cache/fit_eviction.py):
+REUSE_GAP_SCALE = 1.0  # a: the next gap's mean is a x the last gap + b
+REUSE_GAP_OFFSET_S = 90.0  # b, seconds
+REUSE_GAP_UNKNOWN_S = 150.0  # the mean gap after a first turn (no gap known yet), seconds
+REUSE_GAP_FIRST_LOG_ODDS = -3.0  # logit P(a first turn continues) - logit P(a later turn does)
+REUSE_GAP_REFRESH_S = 10.0  # the clock snapshot the keys use is at most this old
+
+
+class ReuseGap:
+    """Lowest expected hits per page and second first, from the pace of a conversation.
+
+    A cached sequence is the prefix of a conversation's next turn with probability p, after
+    a gap (from its last use to that turn's arrival) of mean mu, taken exponential. After
+    t idle seconds the posterior odds that it is still coming back are
+    ``p / (1 - p) * exp(-t / mu)``, and one that comes back does so at rate 1 / mu; the
+    expected hits per cached page and second are then about
+    ``p / (1 - p) * exp(-t / mu) / mu`` (LHD's hit density, Beckmann et al., NSDI 2018),
+    whatever the sequence's length: each of its pages is one hit. In logs:
+
+        key = log_odds - t / mu - log(mu)      lowest first; t = now - last_access (s)
+
+    The prefix's pace is its ``reuse_gap`` (set by the tree, ``RadixTree._touch``: the time
+    between a turn's end and the next turn's arrival, as LIRS ranks blocks by their
+    inter-reference recency, Jiang and Zhang, SIGMETRICS 2002): the next gap is about the
+    last one, ``mu = REUSE_GAP_SCALE * reuse_gap + REUSE_GAP_OFFSET_S``. A sequence with no
+    known gap (a conversation's first turn) has ``mu = REUSE_GAP_UNKNOWN_S`` and log-odds
+    ``REUSE_GAP_FIRST_LOG_ODDS`` relative to a later turn's (0). The constants were fitted
+    on the first half hour of the Mooncake trace (bench/cache/fit_eviction.py, BENCHMARKS.md
+    "Eviction policies vs Belady"); with them a first turn ranks below any sequence whose
+    gap is under ~48 minutes (``e^(3 + ln 150) - 90`` s) at the same idle time and decays
+    faster, so first turns go first, least recently used first, and the others follow by
+    hit density. A gap is known once a conversation's second turn arrives, even if its
+    first was evicted meanwhile: the tree remembers the last use of removed prefixes
+    (``uses_ghosts``; radix/tree.py "Ghosts", as ARC and LIRS keep ghost entries).
+
+    Unlike the other policies the order of two sequences changes with time (each decays at
+    its own rate 1 / mu), so keys use a snapshot of the clock, ``now``: the newest
+    ``last_access`` seen, taken at most ``REUSE_GAP_REFRESH_S`` seconds of clock apart
+    (``refresh_due``), when ``CandidateHeap`` re-keys all its entries. Between refreshes the
+    key is pure and grows with ``last_access`` (``reuse_gap`` changes only with a match,
+    which touches the node too). One object per tree: ``get_policy`` builds a new one.
+    """
+
+    uses_ghosts = True  # the tree remembers removed prefixes' last uses (tree "Ghosts")
+
+    def __init__(
+        self,
+        scale: float = REUSE_GAP_SCALE,
+        offset_s: float = REUSE_GAP_OFFSET_S,
+        unknown_s: float = REUSE_GAP_UNKNOWN_S,
+        first_log_odds: float = REUSE_GAP_FIRST_LOG_ODDS,
+    ) -> None:
+        self.scale, self.offset_s = scale, offset_s
+        self.unknown_s, self.first_log_odds = unknown_s, first_log_odds
+        self.now = 0.0  # the snapshot the keys use
+        self.latest = 0.0  # the newest last_access seen
+
+    def __call__(self, node: NodeStats) -> float:
+        gap = node.reuse_gap
+        if gap == math.inf:
+            mu, log_odds = self.unknown_s, self.first_log_odds
+        else:
+            mu, log_odds = max(self.scale * gap + self.offset_s, 1.0), 0.0
+        idle = max(self.now - node.last_access, 0.0)
+        return log_odds - idle / mu - math.log(mu)
+
+    def observe_new_candidate(self, node: Any) -> None:
+        self.latest = max(self.latest, node.last_access)
+
+    def observe_evicted(self, node: Any) -> None:
+        pass
+
+    def refresh_due(self) -> bool:
+        return self.latest - self.now >= REUSE_GAP_REFRESH_S
+
+    def refresh(self) -> None:
+        self.now = self.latest
+
+
 EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     "lru": lru,
     "lfu": lfu,
     "longest": longest,
     "importance": importance,
     "continuation-odds": ContinuationOdds,
+    "reuse-gap": ReuseGap,
 }
 
 
@@ -242,8 +326,10 @@ class CandidateHeap:
     the first time (``heap_seq < 0``: a new leaf, or a split-off parent whose children
     all went) and of every node ``pop`` returns (it is evicted). After as many such new
     nodes as the heap had entries at the last refresh (at least ``REFRESH_MIN_NEW``),
+    or sooner when the policy's ``refresh_due()`` says so (a clock snapshot grown old),
     the heap calls ``policy.refresh()`` and re-keys its live entries: O(n) every >= n
-    pushes, so O(1) amortised per push and eviction stays O(log n) amortised.
+    pushes, so O(1) amortised per push and eviction stays O(log n) amortised; a
+    ``refresh_due`` policy adds O(n) per its refresh period.
     """
 
     def __init__(self, policy: EvictionPolicy) -> None:
@@ -252,6 +338,7 @@ class CandidateHeap:
         self._seq = itertools.count()
         self._observe = getattr(policy, "observe_new_candidate", None)
         self._observe_evicted = getattr(policy, "observe_evicted", None)
+        self._refresh_due = getattr(policy, "refresh_due", None)
         self._new_since_refresh = 0
         self._refresh_after = REFRESH_MIN_NEW  # new leaves; at least the entries re-keyed
 
@@ -262,7 +349,8 @@ class CandidateHeap:
         if self._observe is not None and node.heap_seq < 0:
             self._observe(node)
             self._new_since_refresh += 1
-            if self._new_since_refresh >= self._refresh_after:
+            due = self._refresh_due is not None and self._refresh_due()
+            if due or self._new_since_refresh >= self._refresh_after:
                 self._refresh()
         node.heap_seq = next(self._seq)
         heapq.heappush(self._entries, (self._policy(node), node.heap_seq, node))

@@ -79,14 +79,26 @@ the node is cached only below. Rules:
 * locks (``lock_ref``) protect every tier's copies of the path; ``io_ref`` (per node, set
   by the owner with ``inc_io``/``dec_io``) protects only lower copies being read.
 
+Reuse gaps and ghosts: every node records ``reuse_gap``, the clock seconds between its last
+use and the match before that (``_touch``); a new leaf takes its parent's when the parent
+was matched at most once (the leaf is then a conversation's next turn, not a branch off a
+shared system prompt). When the policy asks for it (``uses_ghosts``, e.g. ``reuse-gap``),
+the tree also remembers the last use of up to ``GHOST_RECORDS`` removed nodes, keyed by
+(``prefix_len``, last page's token ids), oldest forgotten first; a new leaf whose key passes
+the end of a remembered prefix takes the time since that prefix's last use as its gap (the
+deepest such end; O(pages of the leaf) lookups). A key's last page at a given length stands
+for the whole prefix, so two prefixes that differ only before their last page share a record.
+
 Not thread-safe: one owner (the scheduler thread) calls every method.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -97,6 +109,7 @@ Key = tuple[int, ...]
 TOKEN_TYPECODE = "I"  # packed token id: unsigned int, 4 bytes on every CPython platform
 TOKEN_BYTES = array(TOKEN_TYPECODE).itemsize
 assert TOKEN_BYTES == 4
+GHOST_RECORDS = 1 << 16  # removed prefixes whose last use is remembered ("Ghosts")
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -125,6 +138,7 @@ class TreeNode:
     last_access: float = 0.0
     hit_count: int = 0
     prefix_len: int = 0  # tokens from the root to the end of ``key`` (the sequence's length)
+    reuse_gap: float = math.inf  # clock seconds between its last use and the match before (see _touch)
     heap_seq: int = -1  # sequence number of this node's newest heap entry
     npages: int = 0  # pages of the key (len(pages) when on the device)
     dev_children: int = 0  # children holding device pages
@@ -232,6 +246,7 @@ class RadixTree:
         eviction_policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
         tiers: Sequence[str] = (),
+        tier_eviction_policy: str | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -247,9 +262,15 @@ class RadixTree:
         self._page_bytes = page_size * TOKEN_BYTES
         self._first_page = struct.Struct(f"={page_size}{TOKEN_TYPECODE}").unpack_from  # child dict key
         self.eviction_policy = eviction_policy
+        self.tier_eviction_policy = tier_eviction_policy or eviction_policy  # lower tiers' order
         self._policy = get_policy(eviction_policy)
         self._clock = clock
         self.listener: TreeListener | None = None
+        # Last uses of removed prefixes (see "Ghosts"), kept only for a policy that reads
+        # reuse_gap: (prefix_len, last page packed) -> last_access, oldest first.
+        self._ghosts: OrderedDict[tuple[int, bytes], float] | None = (
+            OrderedDict() if getattr(self._policy, "uses_ghosts", False) else None
+        )
         self._init_state()
 
     def _init_state(self) -> None:
@@ -259,7 +280,7 @@ class RadixTree:
         self._cached = 0  # pages held by all nodes
         self._protected = 0  # device pages held by nodes with lock_ref > 0
         # One policy instance per lower tier (a learned policy's statistics are per tier).
-        self._tier_heaps = [CandidateHeap(get_policy(self.eviction_policy)) for _ in self.tiers]
+        self._tier_heaps = [CandidateHeap(get_policy(self.tier_eviction_policy)) for _ in self.tiers]
         self._tier_pages = [0] * len(self.tiers)  # pages with a copy per lower tier
 
     # ------------------------------------------------------------------ queries
@@ -649,6 +670,7 @@ class RadixTree:
             last_access=node.last_access,
             hit_count=node.hit_count,
             prefix_len=parent.prefix_len + at,
+            reuse_gap=node.reuse_gap,
             npages=head,
             dev_children=1 if node.pages else 0,
         )
@@ -671,8 +693,15 @@ class RadixTree:
 
     def _add_leaf(self, parent: TreeNode, key: bytes, pages: list[int], now: float, npages: int | None = None) -> TreeNode:
         end = parent.prefix_len + len(key) // TOKEN_BYTES
+        # a conversation's next turn: the gap of the prefix it extends, unless that prefix is
+        # shared (matched more than once: a system prompt) -- see _touch; or the gap since a
+        # removed prefix that ends inside the new key was last used ("Ghosts")
+        gap = parent.reuse_gap if parent.hit_count <= 1 else math.inf
+        if self._ghosts is not None:
+            seen = self._ghost_use(parent.prefix_len, key)
+            gap = gap if seen is None else now - seen
         leaf = TreeNode(packed=key, pages=pages, parent=parent, last_access=now, prefix_len=end,
-                        npages=len(pages) if npages is None else npages)
+                        reuse_gap=gap, npages=len(pages) if npages is None else npages)
         parent.children[self._first_page(key)] = leaf
         if pages:
             parent.dev_children += 1
@@ -683,11 +712,32 @@ class RadixTree:
         self._push_if_candidate(leaf)
         return leaf
 
+    def _ghost_use(self, start: int, key: bytes) -> float | None:
+        """Last use of the deepest removed prefix ending at a page boundary inside ``key``
+        (which starts at token ``start``), or None. O(pages of ``key``)."""
+        step = self._page_bytes
+        for end in range(len(key), 0, -step):
+            seen = self._ghosts.get((start + end // TOKEN_BYTES, key[end - step : end]))
+            if seen is not None:
+                return seen
+        return None
+
+    def _add_ghost(self, node: TreeNode) -> None:
+        """Remember a removed node's last use, forgetting the oldest record past
+        ``GHOST_RECORDS``."""
+        ghosts, key = self._ghosts, (node.prefix_len, node.packed[-self._page_bytes :])
+        ghosts[key] = node.last_access
+        ghosts.move_to_end(key)
+        if len(ghosts) > GHOST_RECORDS:
+            ghosts.popitem(last=False)
+
     def _remove_leaf(self, leaf: TreeNode) -> list[int]:
         """Detach a node without children; its lower copies go to ``on_release``; returns
         its device pages."""
         parent = leaf.parent
         assert parent is not None and not leaf.children
+        if self._ghosts is not None:
+            self._add_ghost(leaf)
         first = self._first_page(leaf.packed)
         if self.listener is not None:
             self.listener.node_removed(leaf)
@@ -753,9 +803,15 @@ class RadixTree:
 
     @staticmethod
     def _touch(node: TreeNode, now: float, hit: bool) -> None:
-        node.last_access = now
+        """Mark ``node`` used at ``now``; a match (``hit``) also records ``reuse_gap``, the
+        time since its last use (an insert's or a match's): for a conversation's prefix,
+        the time between the end of one turn and the arrival of the next. A new leaf
+        inherits the gap of the prefix it extends when that prefix was matched at most
+        once (``_add_leaf``): the leaf is then that conversation's next turn."""
         if hit:
+            node.reuse_gap = now - node.last_access
             node.hit_count += 1
+        node.last_access = now
 
     def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
         """Nodes from ``node`` up to (excluding) the root; RuntimeError if detached."""

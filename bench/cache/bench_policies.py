@@ -1,21 +1,34 @@
-"""Preemption (and eviction) policies under memory pressure: the multi-turn ShareGPT replay
-of ``examples/sharegpt_multiturn.py`` (imported, one implementation) against one server
-per variant with a small KV pool, so prefixes are evicted and running requests preempted.
+"""Preemption (and eviction) policies under memory pressure, one server per variant with a
+small KV pool, so prefixes are evicted and running requests preempted. Workloads:
+
+* ``multiturn`` (default): the multi-turn ShareGPT replay of
+  ``examples/sharegpt_multiturn.py`` (imported, one implementation);
+* ``mooncake``: the Mooncake production trace at its own timestamps through
+  ``radixlm bench serving --dataset-name mooncake`` (a window of it, scaled down:
+  ``--serving-args`` takes that command's ``--mooncake-*`` flags).
 
 Per variant: TTFT p50 / p99 (s), output tokens/s over the replay's wall time, prefix-cache
-hit rate (cached / prompt tokens), and from ``/metrics`` the preemptions, swap-outs,
-recomputed tokens (KV computed again after a preemption) and evicted pages. Same
-conversations, same order, for every variant. Results: JSON under bench/results/ and a
-markdown table on stdout. Example (CPU, SmolLM2):
+hit rate (cached / prompt tokens), requests completed / failed, and from ``/metrics`` the
+preemptions, swap-outs, recomputed tokens (KV computed again after a preemption) and
+evicted pages; the load average before and after. Same requests, same order, for every
+variant. Results: JSON under bench/results/ and a markdown table on stdout. Examples
+(CPU, SmolLM2):
 
     .venv/bin/python bench/cache/bench_policies.py --max-total-tokens 3072 --concurrency 8 \\
         --variants lru:recompute lru:swap longest:auto importance:auto
+    .venv/bin/python bench/cache/bench_policies.py --workload mooncake --max-total-tokens 2048 \\
+        --serving-args "--mooncake-start-s 600 --mooncake-duration-s 300 --mooncake-sample 4 \\
+        --mooncake-time-scale 3 --mooncake-block-tokens 16"
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import math
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -79,9 +92,40 @@ def run_variant(url: str, cfg: Any, name: str) -> dict[str, Any]:
     }
 
 
+def run_variant_mooncake(url: str, serving_argv: list[str], name: str) -> dict[str, Any]:
+    """One ``radixlm bench serving --dataset-name mooncake`` run against ``url``."""
+    from radixlm.runtime.bench import serving
+
+    print(f"--- {name}", flush=True)
+    load_before = os.getloadavg()
+    args = serving.parse_args(["--base-url", url, "--dataset-name", "mooncake", *serving_argv])
+    server = serving.discover_server(url)
+    tokenizer = serving.load_tokenizer(server.tokenizer)
+    workload = serving.build_workload(args, tokenizer)
+    outputs, wall, in_flight, numbers = asyncio.run(
+        serving.run_benchmark(args, workload, math.inf, tokenizer, server)
+    )
+    m = serving.compute_metrics(outputs, wall, in_flight)
+    return {
+        "variant": name,
+        "turns": len(outputs),
+        "failed": m["failed"],
+        "wall_s": wall,
+        "output_tok_s": m["output_throughput"],
+        "ttft_p50_s": m["median_ttft_ms"] / 1000,
+        "ttft_p99_s": m["p99_ttft_ms"] / 1000,
+        "hit_rate": numbers["prefix_cache_hit_rate"],
+        "prompt_tokens": m["total_input_tokens"],
+        "max_in_flight": in_flight,
+        "running_reqs_max": numbers["running_reqs_max"],
+        "loadavg": [load_before, os.getloadavg()],
+        **scrape(url),
+    }
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| variant (preemption policy:mode[:eviction]) | turns | failed | TTFT p50 s | TTFT p99 s | "
+        "| variant (preemption policy:mode[:eviction]) | requests | failed | TTFT p50 s | TTFT p99 s | "
         "output tok/s | hit rate | preemptions | swapped out | recomputed tokens | evicted pages |"
     )
     lines = [head, "|" + "---|" * 11]
@@ -112,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-total-tokens", type=int, default=3072, help="KV pool size (tokens)")
     p.add_argument("--server-args", default="", help="extra launch_server flags for every server")
+    p.add_argument("--workload", choices=["multiturn", "mooncake"], default="multiturn")
+    p.add_argument(
+        "--serving-args",
+        default="",
+        help="mooncake: flags of `radixlm bench serving` (its --mooncake-* window and scale)",
+    )
     replay.add_replay_args(p)
     args = p.parse_args(argv)
     cfg = replay.config_from_args(args)
@@ -119,13 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for variant in args.variants:
         extra = f"--max-total-tokens {args.max_total_tokens} {' '.join(variant_flags(variant))} {args.server_args}"
-        rows.append(
-            _with_server(
-                extra,
-                f"radixlm-policies-{variant.replace(':', '-')}.log",
-                lambda url, v=variant: run_variant(url, cfg, v),
-            )
-        )
+        if args.workload == "mooncake":
+            fn = lambda url, v=variant: run_variant_mooncake(url, shlex.split(args.serving_args), v)  # noqa: E731
+        else:
+            fn = lambda url, v=variant: run_variant(url, cfg, v)  # noqa: E731
+        rows.append(_with_server(extra, f"radixlm-policies-{variant.replace(':', '-')}.log", fn))
     env["loadavg_end"] = __import__("os").getloadavg()
     stamp = env["date"].replace(":", "").replace("-", "")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

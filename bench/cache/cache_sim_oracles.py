@@ -1,7 +1,24 @@
-"""How much of the LRU -> Belady gap on the multi-turn trace can an online policy close?
+"""How much of the LRU -> Belady gap can an online policy close? Oracle keys (they read
+the trace's future) on two traces: ``--trace multiturn`` (default) and ``--trace mooncake``.
 
-Replays the multi-turn ShareGPT trace of ``radixlm bench cache-sim`` (same flags, same
-seed, same trace) with two keys that cheat, registered for this process only:
+**mooncake** (``mooncake_main``): the Mooncake trace in ``radixlm bench cache-sim``'s timed
+model (prefill 20,000 tokens/s, 20 ms decode steps), scored from 1800 s on: ``reuse-gap``
+with and without the tree's ghost records (a real policy), and keys that read the future:
+
+* ``alive``: ``(the sequence is used again, last_access)``: LRU that knows which cached
+  sequences have a future, not when; ``alive, E% flipped``: each sequence's answer
+  flipped with probability E (seeded): a liveness predictor that is right 1 - E of the
+  time, independently of everything else;
+* ``next use``: the leaf whose next use is farthest goes first (Belady on whole leaves);
+  ``x e^(s N)``: that time multiplied by a log-normal error of s (dead ones known);
+* and the liveness the trace's own features predict: the held-out AUC of a logistic
+  regression (fitted on the first half of the requests) of "this request's last whole
+  block is used again" on log prompt length, log new blocks, log matched blocks, the log
+  gap since the conversation's previous turn, first turn or not, turn number, log output
+  length, log conversation age and whether others arrived at the same millisecond.
+
+**multiturn**: replays the multi-turn ShareGPT trace of ``radixlm bench cache-sim`` (same
+flags, same seed, same trace) with two keys that cheat, registered for this process only:
 
 * ``depth-prior``: ``last_access + think_time_s * logit(p)``, p = share of the turns
   whose sequence length (prompt + output, 512-token buckets) is followed by another turn
@@ -23,6 +40,7 @@ None is a valid policy (all read the trace's future); they bound what recency pl
 predictor of "this conversation is over" could do. Usage:
 
     .venv/bin/python bench/cache/cache_sim_oracles.py --seed 1
+    .venv/bin/python bench/cache/cache_sim_oracles.py --trace mooncake
 """
 
 from __future__ import annotations
@@ -34,7 +52,8 @@ import random
 from collections import defaultdict
 
 from radixlm.radix import EVICTION_POLICIES
-from radixlm.runtime.bench.cache_sim import PageTrace, belady, gap_closed, replay
+from radixlm.runtime.bench.cache_min import PageTrace, belady
+from radixlm.runtime.bench.cache_sim import gap_closed, replay
 from radixlm.runtime.bench.cache_traces import MultiTurnConfig, TraceRequest, sharegpt_multiturn
 
 BUCKET = 512  # tokens per sequence-length bucket of the depth prior
@@ -113,14 +132,157 @@ def liveness_oracle(trace: list[TraceRequest], page_size: int, error: float = 0.
     return key
 
 
+def _next_uses(trace: list[TraceRequest]):
+    """node -> arrival of the next request whose matched part holds the node's first id
+    after its last use (inf: none). Block traces: an id names its whole prefix."""
+    uses: dict[int, list[float]] = defaultdict(list)
+    for req in trace:
+        for block in req.prompt[:-1]:
+            uses[block].append(req.arrival_s)
+
+    def next_use(node) -> float:
+        times = uses.get(node.key[0], [])
+        i = bisect.bisect_right(times, node.last_access)
+        return times[i] if i < len(times) else math.inf
+
+    return next_use
+
+
+def _seeded(draw) -> dict:
+    """A per-block draw, made once (seeded) the first time a block is asked about."""
+    rng, made = random.Random(0), {}
+
+    def get(block: int):
+        if block not in made:
+            made[block] = draw(rng)
+        return made[block]
+
+    return get
+
+
+def alive_oracle(next_use, error: float):
+    flipped = _seeded(lambda rng: rng.random() < error)
+    return lambda n: ((next_use(n) < math.inf) != flipped(n.key[0]), n.last_access)
+
+
+def next_use_oracle(next_use, sigma: float):
+    noise = _seeded(lambda rng: math.exp(sigma * rng.gauss(0, 1)))
+
+    def key(n) -> float:
+        t = next_use(n)
+        return -math.inf if t == math.inf else -(n.last_access + (t - n.last_access) * noise(n.key[0]))
+
+    return key
+
+
+def liveness_auc(trace: list[TraceRequest]) -> tuple[float, dict[str, float]]:
+    """Held-out AUC of the logistic liveness predictor (module docstring), and each
+    feature's own AUC (max of it and its reverse), on requests more than 15 min before
+    the trace's end (the later ones have too little future to say)."""
+    import numpy as np
+
+    uses: dict[int, list[float]] = defaultdict(list)
+    for req in trace:
+        for block in req.prompt[:-1]:
+            uses[block].append(req.arrival_s)
+    seen: dict[int, float] = {}
+    turn: dict[int, int] = {}
+    first: dict[int, float] = {}
+    same_ms = defaultdict(int)
+    for req in trace:
+        same_ms[req.arrival_s] += 1
+    rows, labels, end = [], [], trace[-1].arrival_s - 900
+    for req in trace:
+        ids, now, m = req.prompt, req.arrival_s, 0
+        while m < len(ids) - 1 and ids[m] in seen:
+            m += 1
+        gap = now - seen[ids[m - 1]] if m > 1 else -1.0
+        t, start = (turn.get(ids[m - 1], 0) + 1, first.get(ids[m - 1], now)) if m > 1 else (1, now)
+        for block in ids:
+            turn.setdefault(block, t)
+            first.setdefault(block, start)
+            seen[block] = now
+        whole = ids if req.output else ids[:-1]
+        if not whole or now > end:
+            continue
+        later = uses.get(whole[-1], [])
+        labels.append(bisect.bisect_right(later, now) < len(later))
+        rows.append([math.log2(len(ids)), math.log2(1 + len(whole) - m), math.log2(1 + m),
+                     math.log2(1 + max(gap, 0)), gap < 0, t, math.log2(1 + req.output_tokens),
+                     math.log2(1 + now - start), same_ms[now] > 1])  # fmt: skip
+    x, y = np.asarray(rows, float), np.asarray(labels, float)
+
+    def auc(score, truth) -> float:
+        ranks = np.empty(len(score))
+        ranks[np.argsort(score, kind="stable")] = np.arange(len(score))
+        pos = truth == 1
+        return float((ranks[pos].mean() - (pos.sum() - 1) / 2) / (len(truth) - pos.sum()))
+
+    names = ["log prompt", "log new blocks", "log matched", "log gap", "first turn", "turn",
+             "log output", "log conversation age", "same ms"]  # fmt: skip
+    single = {n: max(auc(x[:, i], y), 1 - auc(x[:, i], y)) for i, n in enumerate(names)}
+    half = len(y) // 2
+    mu, sd = x[:half].mean(0), x[:half].std(0) + 1e-9
+    z = np.c_[(x - mu) / sd, np.ones(len(x))]
+    w = np.zeros(z.shape[1])
+    for _ in range(3000):  # logistic regression, gradient descent
+        p = 1 / (1 + np.exp(-z[:half] @ w))
+        w -= 0.5 * z[:half].T @ (p - y[:half]) / half
+    return auc(z[half:] @ w, y[half:]), single
+
+
+def mooncake_main(args: argparse.Namespace) -> None:
+    from radixlm.radix.eviction import ReuseGap
+    from radixlm.runtime.bench.cache_model import ServiceModel
+    from radixlm.runtime.bench.cache_sim import Workload
+    from radixlm.runtime.bench.cache_traces import mooncake
+
+    trace = mooncake(args.mooncake_path)
+    work = Workload.build("mooncake", trace, 16, ServiceModel(20000.0, 0.02), warmup_s=1800.0)
+    next_use = _next_uses(trace)
+    no_ghosts = type("ReuseGapNoGhosts", (ReuseGap,), {"uses_ghosts": False})
+    oracles = {"reuse-gap": None, "reuse-gap without ghosts": no_ghosts}
+    for error in (0.0, 0.1, 0.2, 0.3):
+        oracles[f"alive, {error:.0%} flipped"] = alive_oracle(next_use, error)
+    for sigma in (0.0, 1.0, 2.0):
+        oracles[f"next use x e^({sigma:g} N)"] = next_use_oracle(next_use, sigma)
+    for name, key in oracles.items():
+        if key is not None:
+            EVICTION_POLICIES[name] = key
+    fractions = (0.005, 0.01, 0.02, 0.04, 0.08)
+    print("| key | " + " | ".join(f"{100 * f:g}%" for f in fractions) + " |")
+    print("|---|" + "---|" * len(fractions))
+    base = {}
+    for f in fractions:
+        c = work.pages(f)
+        base[f] = (c, work.belady(c).hit_rate, work.replay(c, "lru").hit_rate)
+    print("| LRU | " + " | ".join(f"{base[f][2]:.1%}" for f in fractions) + " |")
+    print("| Belady | " + " | ".join(f"{base[f][1]:.1%}" for f in fractions) + " |")
+    for name in oracles:
+        cells = []
+        for f in fractions:
+            c, best, lru = base[f]
+            rate = work.replay(c, name).hit_rate
+            cells.append(f"{rate:.1%} ({gap_closed(rate, lru, best):+.0%})")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    held_out, single = liveness_auc(trace)
+    print(f"\nliveness AUC, logistic on 9 features, held out: {held_out:.3f}")
+    print("one feature: " + ", ".join(f"{n} {a:.3f}" for n, a in single.items()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--trace", choices=["multiturn", "mooncake"], default="multiturn")
+    p.add_argument("--mooncake-path", default="../shared/data/traces/mooncake_conversation_trace.jsonl")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--capacities", nargs="+", type=float, default=[0.1, 0.2, 0.3, 0.4])
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--tokenizer-path")
     p.add_argument("--split-records", action="store_true")
     args = p.parse_args()
+    if args.trace == "mooncake":
+        mooncake_main(args)
+        return
     cfg = MultiTurnConfig(split_records=args.split_records)
     trace = sharegpt_multiturn(cfg, args.seed, args.tokenizer_path)
     EVICTION_POLICIES["depth-prior"] = depth_prior(trace, cfg.think_time_s)
@@ -145,7 +307,7 @@ def main() -> None:
     print("|---|" + "---|" * (len(policies) + 1))
     for fraction in args.capacities:
         capacity = round(fraction * pt.num_pages)
-        best = belady(pt, args.page_size, capacity).hit_rate
+        best = belady(pt, capacity).hit_rate
         rates = [replay(trace, args.page_size, capacity, name).hit_rate for name in policies]
         cells = [f"{r:.1%} ({gap_closed(r, rates[0], best):+.0%})" for r in rates]
         print(f"| {fraction:.0%} | " + " | ".join(cells) + f" | {best:.1%} |", flush=True)

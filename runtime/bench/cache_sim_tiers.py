@@ -1,42 +1,44 @@
 """Two-tier prefix-cache replay: hit rate per tier of the hierarchical KV cache.
 
 ``radixlm bench cache-sim --tiers`` (``cache_sim.tier_sweep``) replays request traces
-(``cache_traces``) against a tiered ``RadixTree(tiers=("host",))`` (radix/tree.py, "Tiers"; the server's controller is
-runtime/scheduler/hicache.py) with a device tier of C1 pages and a host tier of C2 pages,
-without a model, and reports for every (C1, C2) the share of prompt tokens served from
-each tier, next to Belady's offline optimum and the infinite cache.
+(``cache_traces``) against a tiered ``RadixTree(tiers=("host",))`` (radix/tree.py,
+"Tiers"; the server's controller is runtime/scheduler/hicache.py) with a device tier of C1
+KV pages and a host tier of C2 KV pages, without a model, and reports for every (C1, C2)
+the share of prompt tokens served from each tier, next to Belady's offline optimum and
+the infinite cache.
 
-One request, done instantly at its arrival (the tree's clock), as ``cache_sim.replay``:
+One request as ``cache_model.PoolReplay`` (instant or timed; running requests lock their
+pages and hold private pages on the device), with the host tier added:
 
 1. ``match_prefix(prompt[:-1])``: the leading device run is a device hit; the matched
-   nodes after it (``tail``, cached only on the host) are host hits, all loaded back as
-   far as the device holds them (the key is cut to C1 pages). The match (device run and
-   tail) is locked until the request is done.
-2. Device pages for the rest of the inserted key (whole pages of prompt + output minus
-   its last token): free ones first, then ``evict`` by the policy. An evicted node with
-   a host copy keeps it and stays matchable; one without is copied down under
-   write-back (``on_demote``; the host makes room with ``evict_tier``, by the same
-   policy), and is dropped otherwise or when the host cannot take it.
+   nodes after it (``tail``, cached only on the host) are host hits, loaded back as far
+   as the key cached at arrival reaches. The match (device run and tail) is locked while
+   room is made.
+2. Device pages for the rest of the key: free ones first, then ``evict`` by the policy.
+   An evicted node with a host copy keeps it and stays matchable; one without is copied
+   down under write-back (``on_demote``; the host makes room with ``evict_tier``, by the
+   same policy), and is dropped otherwise or when the host cannot take it.
 3. ``insert`` the key: tail nodes get device pages back (promotion; they keep their host
    copy), the rest is new. Write-through then copies every node of the key's path that
-   has no host copy down (room made as in 2; none left: not copied).
+   has no host copy down (room made as in 2; none left: not copied). Likewise for the
+   output's pages inserted when a timed request finishes.
 
 Write policies (the server's ``--hicache-write-policy``): ``write_back`` copies a page
 down only when the device evicts it, so no copy is wasted work; ``write_through`` copies
 every page when it is inserted. Host handles are fresh integers; the host holds at most
-C2 pages at any time.
+C2 KV pages at any time.
 
 Hit rates: device (host) hit tokens / prompt tokens; total = their sum. Bounds, from
-the single-tier model of ``cache_sim`` (a schedule of pages held after each request,
-which contains the request's first pages and adds only pages of the request):
+the single-tier model of ``cache_min`` (a schedule of pages held after each event, which
+contains the pages the event makes resident):
 
 * Belady at C1 bounds the device hit rate: the device alone is such a schedule.
-* Belady at C1 + C2, each request's resident pages cut to C1 (``belady(...,
-  resident_pages=C1)``), bounds the total: after each request the two tiers hold at most
-  C1 + C2 distinct pages, among them the request's first C1. (Equal to plain Belady at
-  C1 + C2 when no request has more than C1 pages.)
+* Belady at C1 + C2, with the locks, private pages and resident cuts of a C1 pool
+  (``belady(..., device_pages=C1)``), bounds the total: after each event the two tiers
+  hold at most C1 + C2 distinct KV pages less the private ones, among them the pages the
+  event makes resident.
 * The infinite cache (Belady at the working set W) bounds both; a host tier of W pages
-  reaches it when no request has more than C1 pages (nothing is ever dropped).
+  reaches it when no request is cut (nothing is ever dropped).
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixlm.radix import RadixTree
+from radixlm.radix import MatchResult
 from radixlm.radix.tree import TreeNode
-from radixlm.runtime.bench.cache_traces import TraceRequest, inserted_pages
+from radixlm.runtime.bench.cache_model import Geometry, PoolReplay, ServiceModel
+from radixlm.runtime.bench.cache_traces import TraceRequest
 
 __all__ = [
     "WRITE_POLICIES",
@@ -56,6 +59,7 @@ __all__ = [
     "TieredCache",
     "replay_tiered",
     "format_tier_table",
+    "format_tier_policies",
     "plot_tiers",
 ]
 
@@ -65,8 +69,8 @@ HOST = 0  # the host tier's index among the tree's lower tiers
 
 @dataclass(frozen=True)
 class TierResult:
-    """Totals of one two-tier replay. Tokens are prompt tokens (token ids: blocks for
-    the Mooncake trace); pages are KV pages."""
+    """Totals of one two-tier replay. Tokens are scored prompt tokens; pages are KV
+    pages."""
 
     policy: str
     write_policy: str
@@ -78,6 +82,7 @@ class TierResult:
     evicted_pages: int  # device pages freed by eviction
     copied_pages: int  # pages copied down to the host
     released_pages: int  # host pages freed (evicted there, or dropped with their node)
+    overflow_pages: int = 0  # device pages running requests needed beyond C1 (timed model)
 
     @property
     def device_hit_rate(self) -> float:
@@ -92,18 +97,20 @@ class TierResult:
         return self.device_hit_rate + self.host_hit_rate
 
 
-class TieredCache:
-    """A tiered radix tree of ``device_pages`` (C1 >= 1) device pages and ``host_pages``
-    (C2 >= 0) host pages serving requests one at a time (module docstring); the tree's
-    clock is the current request's arrival time in seconds. ``tree`` is open to checks."""
+class TieredCache(PoolReplay):
+    """A tiered radix tree of ``device_pages`` (C1 >= 1) device KV pages and ``host_pages``
+    (C2 >= 0) host KV pages replaying requests (module docstring; ``run``, or ``arrive`` /
+    ``finish`` one by one); ``tree`` is open to checks."""
 
     def __init__(
         self,
-        page_size: int,
+        geo: Geometry,
         device_pages: int,
         host_pages: int,
         policy: str = "lru",
         write_policy: str = "write_back",
+        timed: bool = False,
+        host_policy: str | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; choose from {WRITE_POLICIES}")
@@ -111,47 +118,24 @@ class TieredCache:
             raise ValueError(
                 f"need device_pages >= 1, host_pages >= 0: {device_pages}, {host_pages}"
             )
-        self.page_size, self.device_pages, self.host_pages = page_size, device_pages, host_pages
-        self.policy, self.write_policy = policy, write_policy
-        self.now = 0.0
-        self.tree = RadixTree(page_size, policy, clock=lambda: self.now, tiers=("host",))
+        super().__init__(geo, device_pages, policy, timed, ("host",), host_policy)
+        self.host_pages, self.write_policy = host_pages, write_policy
         self.tree.on_release = self._release
         if write_policy == "write_back":
             self.tree.on_demote = self._copy_down
-        self._page_ids = itertools.count()  # device pages
         self._handles = itertools.count()  # host pages
-        self.prompt_tokens = self.device_hit_tokens = self.host_hit_tokens = 0
-        self.evicted_pages = self.copied_pages = self.released_pages = 0
+        self.device_hit_tokens = self.host_hit_tokens = 0
+        self.copied_pages = self.released_pages = 0
 
-    def serve(self, req: TraceRequest) -> None:
-        """Match, make the key's pages resident on the device, insert (steps 1-3)."""
-        tree, size = self.tree, self.page_size
-        self.now = req.arrival_s
-        match = tree.match_prefix(req.prompt[:-1])
-        end = match.tail[-1] if match.tail else match.node
-        tree.inc_lock(end)
-        want = min(inserted_pages(req, size), self.device_pages)
-        need = want - len(match.pages)
-        short = need - (self.device_pages - tree.cached_pages)
-        if short > 0:
-            self.evicted_pages += len(tree.evict(short))
-        fits = min(need, self.device_pages - tree.cached_pages)
-        pages = match.pages + [next(self._page_ids) for _ in range(fits)]
-        seq = req.prompt + req.output
-        node = tree.insert(seq[: len(pages) * size], pages).node
-        if self.write_policy == "write_through":
-            self._write_through(node)
-        tree.dec_lock(end)
-        self.prompt_tokens += len(req.prompt)
-        self.device_hit_tokens += match.num_tokens
-        # the tail tokens loaded back: those the key, cut to C1 pages, still holds
-        self.host_hit_tokens += min(match.tail_tokens, len(pages) * size - match.num_tokens)
+    def host_used(self) -> int:
+        """KV pages with a host copy."""
+        return self.tree.tier_pages(HOST) * self.geo.kv_per_page
 
     def result(self) -> TierResult:
         return TierResult(
             self.policy,
             self.write_policy,
-            self.device_pages,
+            self.capacity,
             self.host_pages,
             self.prompt_tokens,
             self.device_hit_tokens,
@@ -159,21 +143,37 @@ class TieredCache:
             self.evicted_pages,
             self.copied_pages,
             self.released_pages,
+            self.overflow_pages,
         )
+
+    def _hold(self, match: MatchResult) -> TreeNode:
+        return match.tail[-1] if match.tail else match.node
+
+    def _inserted(self, node: TreeNode) -> None:
+        if self.write_policy == "write_through":
+            self._write_through(node)
+
+    def _score(self, match: MatchResult, num_pages: int) -> None:
+        # the tail tokens loaded back: those the key cached at arrival still holds
+        cached_ids = num_pages * self.geo.ids_per_page
+        loaded = min(match.tail_tokens, cached_ids - match.num_tokens)
+        self.device_hit_tokens += match.num_tokens * self.geo.id_tokens
+        self.host_hit_tokens += loaded * self.geo.id_tokens
 
     def _copy_down(self, node: TreeNode) -> bool:
         """Give ``node`` a host copy, evicting host pages first if the host is full;
         False when there is no room for it (more pages than C2, or the rest is locked)."""
-        tree, n = self.tree, node.npages
-        if n > self.host_pages:
+        tree, k = self.tree, self.geo.kv_per_page
+        n = node.npages
+        if n * k > self.host_pages:
             return False
-        short = n - (self.host_pages - tree.tier_pages(HOST))
+        short = n * k - (self.host_pages - self.host_used())
         if short > 0:
-            tree.evict_tier(HOST, short)
-            if tree.tier_pages(HOST) + n > self.host_pages:  # the rest is locked
+            tree.evict_tier(HOST, -(-short // k))
+            if self.host_used() + n * k > self.host_pages:  # the rest is locked
                 return False
         tree.set_copy(node, HOST, [next(self._handles) for _ in range(n)])
-        self.copied_pages += n
+        self.copied_pages += n * k
         return True
 
     def _write_through(self, node: TreeNode) -> None:
@@ -191,7 +191,7 @@ class TieredCache:
         self.tree.dec_lock(node)
 
     def _release(self, tier: int, handles: list) -> None:
-        self.released_pages += len(handles)
+        self.released_pages += len(handles) * self.geo.kv_per_page
 
 
 def replay_tiered(
@@ -201,11 +201,18 @@ def replay_tiered(
     host_pages: int,
     policy: str = "lru",
     write_policy: str = "write_back",
+    service: ServiceModel | None = None,
+    warmup_s: float = 0.0,
+    host_policy: str | None = None,
 ) -> TierResult:
-    """Replay ``trace`` on a ``TieredCache`` of C1 = ``device_pages``, C2 = ``host_pages``."""
-    cache = TieredCache(page_size, device_pages, host_pages, policy, write_policy)
-    for req in trace:
-        cache.serve(req)
+    """Replay ``trace`` on a ``TieredCache`` of C1 = ``device_pages``, C2 = ``host_pages``
+    KV pages of ``page_size`` tokens: instant, or timed with ``service``; requests
+    arriving before ``warmup_s`` are not scored. ``host_policy``: the host tier's eviction
+    policy (default: ``policy``, as the server's one policy for every tier)."""
+    geo = Geometry.of(trace, page_size)
+    timed = service is not None
+    cache = TieredCache(geo, device_pages, host_pages, policy, write_policy, timed, host_policy)
+    cache.run(trace, service, warmup_s)
     return cache.result()
 
 
@@ -230,10 +237,31 @@ def format_tier_table(trace: str, rows: list[dict], policy: str) -> str:
     return "\n".join(lines)
 
 
+def format_tier_policies(trace: str, rows: list[dict], policies: Sequence[str]) -> str:
+    """Markdown: per device and host size, every policy's total hit rate with the share of
+    the LRU -> Belady (device + host) gap it closes."""
+    by = {(r["device_fraction"], r["host_fraction"], r["policy"]): r for r in rows if r["trace"] == trace}
+    sizes = sorted({(d, h) for d, h, _ in by})
+    lines = [
+        f"| {trace}: device | host | " + " | ".join(policies) + " | Belady (device + host) |",
+        "|" + "---|" * (len(policies) + 3),
+    ]
+    for d, h in sizes:
+        lru, best = by[d, h, "lru"]["hit_rate"], by[d, h, policies[0]]["belady_total_hit_rate"]
+        cells = []
+        for p in policies:
+            rate = by[d, h, p]["hit_rate"]
+            gap = best - lru
+            closed = "" if p == "lru" or gap < 1e-9 else f" ({(rate - lru) / gap:+.0%})"
+            cells.append(f"{rate:.1%}{closed}")
+        lines.append(f"| {100 * d:g}% | {100 * h:g}% | " + " | ".join(cells) + f" | {best:.1%} |")
+    return "\n".join(lines)
+
+
 def plot_tiers(rows: list[dict], traces: dict[str, dict], path: Path) -> None:
     """Total hit rate vs device size (log axis), one line per host size with Belady at
     device + host dashed in its colour, the infinite cache dotted; one panel per trace and
-    policy. ``traces``: each trace's JSON line (``max_hit_rate``, ``hit_unit``)."""
+    policy. ``traces``: each trace's JSON line (``max_hit_rate``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,7 +299,7 @@ def plot_tiers(rows: list[dict], traces: dict[str, dict], path: Path) -> None:
         ax.set(
             title=f"{trace} ({policy}, {mine[0]['write_policy']})",
             xlabel="device size (% of working set)",
-            ylabel=f"{traces[trace]['hit_unit']} hit rate, device + host (%)",
+            ylabel="token hit rate, device + host (%)",
         )
         ax.grid(alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()

@@ -19,8 +19,9 @@ and a loader:
   adding a short question) interleaved with one-off long prompts that are never reused
   (a "scan", the classic LRU-polluting pattern).
 * ``mooncake``: the Mooncake production conversation trace (a file of 512-token block
-  hashes, no tokens): each block is one token id, replayed with one-token pages, so hit
-  rates on it are block hit rates.
+  hashes and lengths, no tokens, real timestamps): each block is one id of 512 tokens
+  (``TraceRequest.id_tokens``), which the simulators make one radix-tree page of 512 /
+  page size KV pages (``cache_model.Geometry``); hit rates on it are of tokens.
 
 Torch-free; the ShareGPT trace needs a tokenizer directory with a ``tokenizer.json``
 (package ``tokenizers``), found from the default model when not given.
@@ -62,12 +63,28 @@ def _cfg(default: Any, help: str) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request: ``prompt`` and ``output`` token ids, arrival time in seconds."""
+    """One request: ``prompt`` and ``output`` ids, arrival time in seconds.
+
+    The ids are token ids (``id_tokens`` = 1), or ids of ``id_tokens``-token blocks (the
+    Mooncake trace: one id per 512-token block), in which case ``lengths`` gives the real
+    prompt and output lengths in tokens."""
 
     arrival_s: float
     prompt: tuple[int, ...]
     output: tuple[int, ...]
     session: int  # conversation / group / hot document; -1: a one-off prompt, or not known
+    lengths: tuple[int, int] | None = None  # (prompt, output) tokens; None: the id counts
+    id_tokens: int = 1  # tokens per id
+
+    @property
+    def input_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return self.lengths[0] if self.lengths else len(self.prompt) * self.id_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        """Output length in tokens (the decode steps the request runs)."""
+        return self.lengths[1] if self.lengths else len(self.output) * self.id_tokens
 
 
 def inserted_pages(req: TraceRequest, page_size: int) -> int:
@@ -331,18 +348,19 @@ def mooncake(path: str | Path, max_requests: int = 0) -> list[TraceRequest]:
     Each line holds ``timestamp`` (ms), ``input_length``, ``output_length`` (tokens) and
     ``hash_ids``: one id per 512-token prompt block, chained on the prefix, so equal ids
     at a position mean an equal prefix; the last block may be partial. The prompt is the
-    block ids themselves (one token per block: replay with ``page_size`` 1, one page per
-    block), so hit rates are **block** hit rates. Only whole blocks are ever hit (the
-    last block is never matched: the server recomputes the last prompt token), so the
-    token-weighted hit rate is 512 x hit blocks / input tokens: block hit rate x 1.020
-    on the whole file.
+    block ids themselves (``id_tokens`` = 512; ``lengths`` = the input and output lengths
+    in tokens, for the timed model and the token hit rate). Only whole blocks are ever hit
+    (the last block is never matched: the server recomputes the last prompt token; for a
+    prompt whose last block is full the server would also reuse that block's first 31
+    pages, which the simulators do not count).
 
     Output tokens are not inserted (the hash ids of a conversation's next turn already
     cover its history). What is inserted is the prompt's whole blocks: a partial last
     block (12,009 of 12,031 requests) is left out, as a page-granular cache leaves out
-    a partial page; a full one is kept, which ``output`` = one token (the never-inserted
+    a partial page; a full one is kept, which ``output`` = one id (the never-inserted
     last output token of the simulator's request model) expresses. Sessions are not
-    known (-1). An infinite cache hits 36.6% of prompt blocks (the file's README).
+    known (-1). An infinite cache hits 36.6% of prompt blocks (the file's README), 37.3%
+    of prompt tokens.
     FileNotFoundError names the path when it is missing.
     """
     file = Path(path)
@@ -360,6 +378,8 @@ def mooncake(path: str | Path, max_requests: int = 0) -> list[TraceRequest]:
             tuple(r["hash_ids"]),
             () if r["input_length"] % MOONCAKE_BLOCK_TOKENS else (0,),
             -1,
+            (r["input_length"], r["output_length"]),
+            MOONCAKE_BLOCK_TOKENS,
         )
         for r in records
     ]

@@ -14,9 +14,12 @@
 * ``sharegpt-multiturn``: whole ShareGPT conversations (``cache_traces.sample_conversations``)
   replayed turn by turn; the client builds each turn's messages from the history, the
   server's generated replies and the next user message (see serving.py).
+* ``mooncake``: the Mooncake production trace (``cache_traces.mooncake``) at its own
+  timestamps, scaled down (``mooncake_requests``): token ids made from its block hashes.
 
 Arrivals: all at once (``request_rate = inf``) or a Poisson process: exponential gaps of
-mean ``1 / request_rate`` seconds. Torch-free.
+mean ``1 / request_rate`` seconds; a trace's requests carry their own send times
+(``BenchRequest.arrival_s``). Torch-free.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ __all__ = [
     "random_requests",
     "shared_prefix_requests",
     "multiturn_conversations",
+    "MooncakeWindow",
+    "mooncake_requests",
     "poisson_gaps",
 ]
 
@@ -50,12 +55,15 @@ class Tokenizer(Protocol):
 class BenchRequest:
     """One request: ``prompt`` is text or token ids, ``prompt_len`` its length in tokens
     (the client's count; the server's usage replaces it when reported), ``output_len``
-    the ``max_new_tokens`` asked for. ``group``: the GSP group, -1 otherwise."""
+    the ``max_new_tokens`` asked for. ``group``: the GSP group, -1 otherwise.
+    ``arrival_s``: when to send it, seconds from the run's start (a trace replay); None:
+    the run's arrival process."""
 
     prompt: str | tuple[int, ...]
     prompt_len: int
     output_len: int
     group: int = -1
+    arrival_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +191,60 @@ def multiturn_conversations(
         pairs = pairs[:max_turns] if max_turns else pairs
         lens = [output_len or max(1, len(tokenizer.encode(reply))) for _, reply in pairs]
         out.append(Conversation(tuple(u for u, _ in pairs), tuple(lens)))
+    return out
+
+
+@dataclass(frozen=True)
+class MooncakeWindow:
+    """Which part of the Mooncake trace to replay and how much smaller (``mooncake_requests``)."""
+
+    start_s: float = 0.0  # trace seconds
+    duration_s: float = 600.0  # trace seconds
+    sample: int = 1  # keep one conversation in this many
+    time_scale: float = 1.0  # the window is replayed this many times faster
+    block_tokens: int = 512  # tokens per hash block (512: the trace's own lengths)
+    output_scale: float | None = None  # output lengths x this (None: x block_tokens / 512)
+
+
+def mooncake_requests(
+    path: str, window: MooncakeWindow, vocab: int, seed: int = 0
+) -> list[BenchRequest]:
+    """The requests of the Mooncake trace (``cache_traces.mooncake``) arriving in
+    ``[start_s, start_s + duration_s)``, scaled down to run on a small server:
+
+    * one conversation in ``sample``: a request is kept when the id of its second hash
+      block (the first after the shared system prompt; its own index when it has one
+      block) is a multiple of ``sample``, so a conversation's turns stay together;
+    * lengths x ``block_tokens / 512``: each hash id becomes a fixed block of
+      ``block_tokens`` random token ids (seeded by the id), so two prompts share exactly
+      the blocks the trace says they share; the prompt is those blocks cut to the scaled
+      input length (at least 1), the output the output length x ``output_scale`` (by
+      default the same scale; at least 1);
+    * sent at ``(timestamp - start_s) / time_scale`` seconds from the run's start.
+    """
+    from radixlm.runtime.bench.cache_traces import MOONCAKE_BLOCK_TOKENS, mooncake
+
+    scale = window.block_tokens / MOONCAKE_BLOCK_TOKENS
+    out_scale = scale if window.output_scale is None else window.output_scale
+    end = window.start_s + window.duration_s
+    blocks: dict[int, tuple[int, ...]] = {}
+
+    def block(hash_id: int) -> tuple[int, ...]:
+        if hash_id not in blocks:
+            rng = random.Random(seed * 1_000_003 + hash_id)
+            blocks[hash_id] = tuple(rng.randrange(vocab) for _ in range(window.block_tokens))
+        return blocks[hash_id]
+
+    out = []
+    for index, req in enumerate(mooncake(path)):
+        conversation = req.prompt[1] if len(req.prompt) > 1 else index
+        if not window.start_s <= req.arrival_s < end or conversation % window.sample:
+            continue
+        length = max(1, round(req.input_tokens * scale))
+        ids = tuple(t for h in req.prompt for t in block(h))[:length]
+        arrival = (req.arrival_s - window.start_s) / window.time_scale
+        output = max(1, round(req.output_tokens * out_scale))
+        out.append(BenchRequest(ids, len(ids), output, -1, arrival))
     return out
 
 

@@ -78,8 +78,10 @@ from tqdm import tqdm
 from radixlm.runtime.bench.datasets import (
     BenchRequest,
     Conversation,
+    MooncakeWindow,
     RequestOutput,
     load_tokenizer,
+    mooncake_requests,
     multiturn_conversations,
     poisson_gaps,
     random_requests,
@@ -105,7 +107,7 @@ __all__ = [
 OPENAI_BACKENDS = ("openai", "openai-chat")
 HTTP_BACKENDS = ("radixlm", *OPENAI_BACKENDS)
 HF_BACKENDS = ("hf-generate", "hf-generate-batch")
-DATASETS = ("sharegpt", "random", "generated-shared-prefix", "sharegpt-multiturn")
+DATASETS = ("sharegpt", "random", "generated-shared-prefix", "sharegpt-multiturn", "mooncake")
 _TIMEOUT = httpx.Timeout(6 * 3600.0, connect=60.0)
 
 
@@ -409,16 +411,18 @@ def _call(req: BenchRequest, chat: bool, decode: Callable[[Sequence[int]], str])
 
 
 async def _run_requests(client: Client, calls: list[Call], rate: float, seed: int,
-                        bar: tqdm) -> list[RequestOutput]:
+                        bar: tqdm, arrivals: list[float] | None = None) -> list[RequestOutput]:
+    """Send ``calls`` at Poisson arrivals of ``rate``, or at ``arrivals`` (seconds from
+    the start, a trace's own times)."""
     async def one(call: Call) -> RequestOutput:
         out = await client.send(call)
         bar.update(1)
         return out
 
-    tasks, gaps = [], poisson_gaps(rate, seed)
-    for call in calls:
-        gap = next(gaps)
-        if gap:
+    tasks, gaps, start = [], poisson_gaps(rate, seed), time.perf_counter()
+    for i, call in enumerate(calls):
+        gap = next(gaps) if arrivals is None else start + arrivals[i] - time.perf_counter()
+        if gap > 0:
             await asyncio.sleep(gap)
         tasks.append(asyncio.create_task(one(call)))
     return list(await asyncio.gather(*tasks))
@@ -525,7 +529,9 @@ async def run_benchmark(args: argparse.Namespace, workload: list[BenchRequest] |
                                                    tokenizer, bar)
             else:
                 calls = [_call(r, chat, tokenizer.decode) for r in workload]
-                outputs = await _run_requests(client, calls, rate, args.seed, bar)
+                timed = bool(workload) and workload[0].arrival_s is not None
+                arrivals = [r.arrival_s for r in workload] if timed else None
+                outputs = await _run_requests(client, calls, rate, args.seed, bar, arrivals)
             duration = time.perf_counter() - start
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -667,6 +673,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--multiturn-max-turns", type=int, help="turns per conversation at most")
     p.add_argument("--multiturn-output-len", type=int,
                    help="fixed output length per turn (default: the dataset reply's)")
+    p.add_argument("--mooncake-start-s", type=float, default=0.0,
+                   help="mooncake: replay the trace from this second (its timestamps; "
+                   "--dataset-path: the trace's JSON lines, default ../shared/data/traces/...)")
+    p.add_argument("--mooncake-duration-s", type=float, default=600.0,
+                   help="mooncake: trace seconds replayed")
+    p.add_argument("--mooncake-sample", type=int, default=1,
+                   help="mooncake: keep one conversation in this many")
+    p.add_argument("--mooncake-time-scale", type=float, default=1.0,
+                   help="mooncake: replay the window this many times faster than recorded")
+    p.add_argument("--mooncake-block-tokens", type=int, default=512,
+                   help="mooncake: tokens per 512-token hash block; lengths scale by it / 512")
+    p.add_argument("--mooncake-output-scale", type=float,
+                   help="mooncake: output lengths x this (default: the prompts' scale)")
     p.add_argument("--disable-ignore-eos", action="store_true",
                    help="stop at EOS (default: ignore_eos, exactly the asked output lengths)")
     p.add_argument("--extra-request-body", type=_json_object, default={}, metavar="JSON",
@@ -706,7 +725,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag in ("num_prompts", "max_concurrency", "hf_batch_size", "sharegpt_output_len", "sharegpt_context_len",
                  "random_input_len", "random_output_len", "gsp_num_groups", "gsp_prompts_per_group",
                  "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len", "multiturn_max_turns",
-                 "multiturn_output_len"):
+                 "multiturn_output_len", "mooncake_sample", "mooncake_block_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -827,6 +846,14 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list:
         return shared_prefix_requests(args.gsp_num_groups, args.gsp_prompts_per_group,
                                       args.gsp_system_prompt_len, args.gsp_question_len,
                                       args.gsp_output_len, args.seed)
+    if name == "mooncake":
+        from radixlm.runtime.bench.cache_traces import MooncakeConfig
+
+        window = MooncakeWindow(args.mooncake_start_s, args.mooncake_duration_s,
+                                args.mooncake_sample, args.mooncake_time_scale,
+                                args.mooncake_block_tokens, args.mooncake_output_scale)
+        return mooncake_requests(args.dataset_path or MooncakeConfig.path, window,
+                                 len(tokenizer), args.seed)
     return multiturn_conversations(tokenizer, args.num_prompts, args.seed,
                                    args.multiturn_max_turns, args.multiturn_output_len,
                                    args.dataset_path)
@@ -835,7 +862,7 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list:
 def _record(args: argparse.Namespace, rate: float, metrics: dict, numbers: dict,
             outputs: Sequence[RequestOutput], extra: dict) -> dict[str, Any]:
     dataset_flags = {k: v for k, v in vars(args).items()
-                     if k.split("_")[0] in ("sharegpt", "random", "gsp", "multiturn")}
+                     if k.split("_")[0] in ("sharegpt", "random", "gsp", "multiturn", "mooncake")}
     rec: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "tag": args.tag,

@@ -16,6 +16,10 @@ from radixlm.radix.eviction import (
     CONTINUATION_AGE_BINS,
     IMPORTANCE_MEMORY_S,
     IMPORTANCE_REUSE_S,
+    REUSE_GAP_FIRST_LOG_ODDS,
+    REUSE_GAP_OFFSET_S,
+    REUSE_GAP_SCALE,
+    REUSE_GAP_UNKNOWN_S,
     ContinuationOdds,
     get_policy,
     importance,
@@ -42,7 +46,9 @@ def ticking_clock():
 
 
 def test_registry_names_and_lookup() -> None:
-    assert list(EVICTION_POLICIES) == ["lru", "lfu", "longest", "importance", "continuation-odds"]
+    assert list(EVICTION_POLICIES) == [
+        "lru", "lfu", "longest", "importance", "continuation-odds", "reuse-gap"
+    ]
     assert get_policy("lru") is lru and get_policy("lfu") is lfu
     assert get_policy("longest") is longest and get_policy("importance") is importance
     # a learned policy: one fresh model per tree
@@ -205,6 +211,92 @@ def test_continuation_odds_refreshes_amortised() -> None:
     # first after 64, then the heap doubles between refreshes (O(1) amortised per push).
     assert refreshes == [63, 127, 254, 508, 1016, 2032]
     assert sorted(tree.evict(4000)) == list(range(4000))
+
+
+def test_reuse_gap_is_the_time_between_turns_and_survives_eviction() -> None:
+    clock = [0.0]
+    tree = RadixTree(1, eviction_policy="reuse-gap", clock=lambda: clock[0])
+
+    def turn(t: float, prompt: list[int]):
+        clock[0] = t
+        tree.match_prefix(prompt[:-1])
+        return tree.insert(prompt, [100 * t + i for i in range(len(prompt))]).node
+
+    a1 = turn(0, [0, 1, 2])  # 0: a system prompt; conversation A's first turn
+    assert a1.reuse_gap == math.inf
+    b1 = turn(5, [0, 5, 6])  # the second user of [0]: matched once, taken for a turn
+    assert b1.reuse_gap == 5.0 and b1.parent.hit_count == 1
+    c1 = turn(7, [0, 8, 9])  # [0] matched twice: a shared prefix, no gap
+    assert c1.reuse_gap == math.inf and c1.parent.reuse_gap == 2.0
+    a2 = turn(40, [0, 1, 2, 3, 4])  # A's next turn, 40 s after its first
+    assert a2.reuse_gap == 40.0 and a2.parent.key == (1, 2)
+    # At t=40 (the snapshot) C goes first (no gap: first-turn odds), then B (gap 5 s,
+    # idle 35 s), then A's turns (gap 40 s, just used).
+    assert tree.evict(100) == [701, 702, 501, 502, 4003, 4004, 1, 2, 0]
+    # A comes back at t=100 to an empty tree, but the removed [0 1 2 3 4] ended at
+    # token 5 with page (4,), last used at t=40: the new leaf's gap is 60 s.
+    a3 = turn(100, [0, 1, 2, 3, 4, 7, 8])
+    assert a3.prefix_len == 7 and a3.reuse_gap == 60.0
+    tree.check_invariants()
+
+
+def test_reuse_gap_ranks_by_decaying_hit_density() -> None:
+    # F: gap 10 s (mu 40 s), S: gap 300 s (mu 330 s), U: no gap (mu 300 s, first-turn
+    # odds), all last used at t=300. key = log_odds - idle / mu - log(mu).
+    def build() -> tuple[RadixTree, list[float]]:
+        clock = [0.0]
+        tree = RadixTree(1, eviction_policy="reuse-gap", clock=lambda: clock[0])
+        tree.insert([3], [30])  # t=0
+        clock[0] = 290.0
+        tree.insert([1], [10])
+        clock[0] = 300.0
+        for first, second in ((1, 2), (3, 4)):
+            tree.match_prefix([first])
+            tree.insert([first, second], [10 * first, 10 * second])  # F: [2], S: [4]
+        tree.insert([5, 6], [50, 60])  # U
+        return tree, clock
+
+    mu_f = REUSE_GAP_SCALE * 10 + REUSE_GAP_OFFSET_S
+    mu_s = REUSE_GAP_SCALE * 300 + REUSE_GAP_OFFSET_S
+
+    def keys(idle: float) -> list[float]:
+        return [
+            -idle / mu_f - math.log(mu_f),
+            -idle / mu_s - math.log(mu_s),
+            REUSE_GAP_FIRST_LOG_ODDS - idle / REUSE_GAP_UNKNOWN_S - math.log(REUSE_GAP_UNKNOWN_S),
+        ]
+    # just used, the fast conversation is the most likely to come back soon; 200 s later
+    # it is overdue and falls below the slow one. The first turn goes first either way.
+    f0, s0, u0 = keys(0.0)
+    f200, s200, u200 = keys(200.0)
+    assert u0 < s0 < f0 and u200 < f200 < s200
+    tree, _ = build()
+    policy = tree._policy
+    by_page = {n.pages[-1]: n for n in tree._iter_nodes() if tree._is_candidate(n)}
+    assert [policy(by_page[p]) for p in (20, 40, 60)] == pytest.approx([f0, s0, u0])
+    # a turn's parent ([1] of F, [3] of S) has its key and follows it
+    assert [tree.evict(1) for _ in range(5)] == [[50, 60], [40], [30], [20], [10]]
+    # The clock reaches the keys through the snapshot, refreshed when a new candidate is
+    # >= REUSE_GAP_REFRESH_S newer.
+    tree, clock = build()
+    clock[0] = 500.0
+    filler = tree.insert([9], [90]).node
+    tree.inc_lock(filler)
+    assert tree._policy.now == 500.0
+    assert [tree.evict(1) for _ in range(5)] == [[50, 60], [20], [10], [40], [30]]
+
+
+def test_reuse_gap_refresh_is_due_on_the_clock() -> None:
+    clock = [0.0]
+    tree = RadixTree(1, eviction_policy="reuse-gap", clock=lambda: clock[0])
+    refreshes = []
+    policy = tree._policy
+    original = policy.refresh
+    policy.refresh = lambda: (refreshes.append(clock[0]), original())[1]
+    for token in range(60):
+        clock[0] = 2.5 * token
+        tree.insert([token], [token])
+    assert refreshes == [10.0 * k for k in range(1, 15)]  # every 10 s of clock (60 < 64 leaves)
 
 
 # ------------------------------------------------------- heap vs brute force

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import socket
@@ -20,7 +21,9 @@ from radixlm.runtime.bench import serving as bs
 from radixlm.runtime.bench.datasets import (
     BenchRequest,
     Conversation,
+    MooncakeWindow,
     RequestOutput,
+    mooncake_requests,
     multiturn_conversations,
     poisson_gaps,
     random_requests,
@@ -125,6 +128,54 @@ def test_multiturn_conversations_from_a_file(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- arrivals
+def test_mooncake_requests_share_blocks_scale_lengths_and_keep_times(tmp_path: Path) -> None:
+    lines = [  # conversation 8 (its second block): two turns; conversation 3; a 1-block prompt
+        {"timestamp": 1000, "input_length": 1100, "output_length": 64, "hash_ids": [0, 8, 9]},
+        {"timestamp": 2000, "input_length": 700, "output_length": 10, "hash_ids": [0, 3]},
+        {"timestamp": 4000, "input_length": 1600, "output_length": 1, "hash_ids": [0, 8, 9, 11]},
+        {"timestamp": 5000, "input_length": 300, "output_length": 32, "hash_ids": [0]},
+        {"timestamp": 9000, "input_length": 2000, "output_length": 64, "hash_ids": [0, 8, 12, 13]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    window = MooncakeWindow(start_s=1.0, duration_s=7.0, sample=1, time_scale=2.0, block_tokens=16)
+    reqs = mooncake_requests(str(path), window, vocab=1000, seed=5)
+    assert [r.arrival_s for r in reqs] == [0.0, 0.5, 1.5, 2.0]  # (t - 1 s) / 2; 9 s is out
+    # lengths x 16 / 512, at least 1: 1100 -> 34, 700 -> 22, 1600 -> 50, 300 -> 9
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(34, 2), (22, 1), (50, 1), (9, 1)]
+    assert all(len(r.prompt) == r.prompt_len and max(r.prompt) < 1000 for r in reqs)
+    first, other, turn2, single = reqs
+    assert turn2.prompt[:34] == first.prompt[:34]  # blocks 0, 8 and the start of 9
+    assert other.prompt[:16] == first.prompt[:16] and other.prompt[16:] != first.prompt[16:22]
+    assert single.prompt == first.prompt[:9]
+    assert mooncake_requests(str(path), window, vocab=1000, seed=5) == reqs
+    longer = dataclasses.replace(window, output_scale=0.25)  # outputs 64, 10, 1, 32 x 1/4
+    assert [r.output_len for r in mooncake_requests(str(path), longer, 1000)] == [16, 2, 1, 8]
+    halves = MooncakeWindow(start_s=0.0, duration_s=100.0, sample=2, block_tokens=16)
+    kept = mooncake_requests(str(path), halves, vocab=1000)
+    # second block 8 kept (both turns and the later one), 3 dropped; the 1-block prompt
+    # is request 3 of the file: odd, dropped
+    assert [r.arrival_s for r in kept] == [1.0, 4.0, 9.0]
+
+
+def test_trace_requests_are_sent_at_their_own_times() -> None:
+    class Recorder:
+        backend, sent = "radixlm", []
+
+        async def send(self, call: bs.Call) -> RequestOutput:
+            self.sent.append((call.prompt, time.perf_counter()))
+            return RequestOutput(True, prompt_len=call.prompt_len, output_len=call.output_len)
+
+    client = Recorder()
+    calls = [bs.Call((i,), None, 1, 1) for i in range(3)]
+    with tqdm(disable=True) as bar:
+        start = time.perf_counter()
+        asyncio.run(bs._run_requests(client, calls, math.inf, 0, bar, arrivals=[0.0, 0.2, 0.1]))
+    offsets = [t - start for _, t in client.sent]
+    assert [p for p, _ in client.sent] == [(0,), (1,), (2,)]  # in list order
+    assert 0.19 <= offsets[1] < 0.4 and offsets[2] >= offsets[1]  # a late one goes at once
+
+
 def test_poisson_gaps_are_exponential_and_seeded() -> None:
     gaps = poisson_gaps(10.0, seed=3)
     sample = [next(gaps) for _ in range(20000)]

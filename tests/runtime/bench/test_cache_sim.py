@@ -3,6 +3,7 @@ against every policy and against exhaustive search, the trace generators, the CL
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -13,8 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixlm.radix import EVICTION_POLICIES
+from radixlm.runtime.bench import cache_sim as cs
 from radixlm.runtime.bench import cache_traces as ct
-from radixlm.runtime.bench.cache_sim import BELADY, PageTrace, belady, replay
+from radixlm.runtime.bench.cache_min import BELADY, PageTrace, belady, lock_schedule
+from radixlm.runtime.bench.cache_model import ServiceModel
+from radixlm.runtime.bench.cache_sim import replay
 from radixlm.runtime.bench.cache_sim_tiers import replay_tiered
 from radixlm.runtime.bench.cache_traces import TraceRequest
 
@@ -26,7 +30,7 @@ def make_trace(*requests: tuple[list[int], list[int]]) -> list[TraceRequest]:
 
 def hits(trace: list[TraceRequest], page_size: int, capacity: int, policy: str) -> int:
     if policy == BELADY:
-        return belady(PageTrace.build(trace, page_size), page_size, capacity).cached_tokens
+        return belady(PageTrace.build(trace, page_size), capacity).cached_tokens
     return replay(trace, page_size, capacity, policy).cached_tokens
 
 
@@ -106,9 +110,10 @@ def test_page_trace_working_set_and_uses() -> None:
     pt = PageTrace.build(TRACE_A, page_size=1)
     # distinct inserted prefixes: 1 12 123 124 5 56 7 78 567 = 9
     assert pt.num_pages == 9
-    assert pt.counted == [2, 2, 1, 1, 2, 2]
+    assert [p.counted for p in pt.pages] == [2, 2, 1, 1, 2, 2]
+    assert pt.events == [0, ~0, 1, ~1, 2, ~2, 3, ~3, 4, ~4, 5, ~5]  # instant: no overlap
     one = pt.paths[0][0]
-    assert pt.uses[one] == [0, 1, 4]  # [1] is in the matched part of r0, r1, r4
+    assert pt.uses[one] == [0, 2, 8]  # [1] is in the matched part of r0, r1, r4 (events)
     assert pt.depth[pt.paths[0][2]] == 2
 
 
@@ -138,31 +143,52 @@ def random_traces(max_requests: int) -> st.SearchStrategy[list[TraceRequest]]:
 def test_belady_is_at_least_every_policy(trace, page_size, data) -> None:
     pt = PageTrace.build(trace, page_size)
     capacity = data.draw(st.integers(1, max(1, pt.num_pages)))
-    best = belady(pt, page_size, capacity).cached_tokens
+    best = belady(pt, capacity).cached_tokens
     for policy in EVICTION_POLICIES:
         assert best >= replay(trace, page_size, capacity, policy).cached_tokens, policy
 
 
-def exhaustive_optimum(pt: PageTrace, page_size: int, capacity: int, resident: int | None = None) -> int:
-    """Most cached tokens over every eviction choice: after request j its first
-    ``resident`` pages (default: as many as fit, ``capacity``) stay, and any subset of the
-    rest of the cache that fits is kept."""
-    resident = capacity if resident is None else resident
+def exhaustive_optimum(pt: PageTrace, capacity: int, device: int | None = None) -> int:
+    """Most cached tokens over every eviction choice, at KV-page granularity: after each
+    event the cache holds the pages running requests lock (``lock_schedule`` in a pool of
+    ``device`` pages, default ``capacity``) and any subset of the other cached or just
+    admitted pages that fits in ``capacity`` less the private pages held."""
+    sched = lock_schedule(pt, capacity if device is None else device)
+    k = pt.geo.kv_per_page
+
+    def units(j: int, lo: int, hi: int) -> frozenset[tuple[int, int]]:
+        return frozenset((p, u) for p in pt.paths[j][lo:hi] for u in range(k))
+
+    running: dict[int, frozenset] = {}
+    private, steps = 0, []
+    for e in pt.events:
+        j = e if e >= 0 else ~e
+        if e >= 0:
+            admitted = running[j] = units(j, 0, sched.resident[j])
+            private += sched.granted[j]
+        else:
+            admitted = units(j, sched.resident[j], sched.final[j])
+            del running[j]
+            private -= sched.granted[j]
+        steps.append((e, admitted, frozenset().union(*running.values()), capacity - private))
+
+    def hit(j: int, cache: frozenset) -> int:
+        wanted = [(p, u) for p in pt.paths[j][: pt.pages[j].counted] for u in range(k)]
+        return len(list(itertools.takewhile(cache.__contains__, wanted)))
 
     @functools.cache
-    def best(j: int, cache: frozenset[int]) -> int:
-        if j == len(pt.paths):
+    def best(i: int, cache: frozenset) -> int:
+        if i == len(steps):
             return 0
-        hit = len(list(itertools.takewhile(cache.__contains__, pt.paths[j][: pt.counted[j]])))
-        locked = frozenset(pt.paths[j][:resident])
-        rest = sorted(cache - locked)
-        room = capacity - len(locked)
+        e, admitted, locked, budget = steps[i]
+        gain = hit(e, cache) * pt.geo.page_size if e >= 0 and pt.scored[e] else 0
+        rest = sorted((cache | admitted) - locked)
         keeps = (
             frozenset(kept)
-            for size in range(min(room, len(rest)) + 1)
+            for size in range(min(budget - len(locked), len(rest)) + 1)
             for kept in itertools.combinations(rest, size)
         )
-        return hit * page_size + max(best(j + 1, locked | kept) for kept in keeps)
+        return gain + max(best(i + 1, locked | kept) for kept in keeps)
 
     return best(0, frozenset())
 
@@ -174,7 +200,7 @@ def test_belady_evicts_a_page_that_is_reloaded_for_free_before_its_use() -> None
     trace = make_trace(([0], [0, 1]), ([1, 0], [0, 0, 1]), ([0], [2]), ([0, 0, 0], [1]))
     pt = PageTrace.build(trace, 1)
     assert pt.paths == [[0, 1], [2, 3, 4, 5], [0], [0, 1, 6]]
-    assert belady(pt, 1, 5).cached_tokens == 2 == exhaustive_optimum(pt, 1, 5)
+    assert belady(pt, 5).cached_tokens == 2 == exhaustive_optimum(pt, 5)
 
 
 @settings(max_examples=150, deadline=None)
@@ -182,9 +208,7 @@ def test_belady_evicts_a_page_that_is_reloaded_for_free_before_its_use() -> None
 def test_belady_equals_the_exhaustive_optimum(trace, page_size, data) -> None:
     pt = PageTrace.build(trace, page_size)
     capacity = data.draw(st.integers(1, max(1, min(pt.num_pages, 6))))
-    assert belady(pt, page_size, capacity).cached_tokens == exhaustive_optimum(
-        pt, page_size, capacity
-    )
+    assert belady(pt, capacity).cached_tokens == exhaustive_optimum(pt, capacity)
 
 
 # ----------------------------------------------------------------------------- traces
@@ -197,7 +221,7 @@ def test_shared_prefix_trace_reaches_its_theoretical_hit_rate() -> None:
     assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
     pt = PageTrace.build(trace, 16)
     # (P - 1) S / (P (S + Q)) = 3 * 32 / (4 * 48)
-    assert belady(pt, 16, pt.num_pages).hit_rate == 0.5
+    assert belady(pt, pt.num_pages).hit_rate == 0.5
     assert ct.shared_prefix(cfg, seed=1) == trace  # deterministic for a seed
 
 
@@ -397,11 +421,11 @@ def test_tiers_stay_under_belady_and_the_infinite_cache(trace, page_size, write_
     pt = PageTrace.build(trace, page_size)
     c1 = data.draw(st.integers(1, max(1, pt.num_pages)))
     c2 = data.draw(st.integers(0, pt.num_pages))
-    infinite = belady(pt, page_size, max(1, pt.num_pages)).cached_tokens
-    bound = belady(pt, page_size, c1 + c2, resident_pages=c1).cached_tokens
+    infinite = belady(pt, max(1, pt.num_pages)).cached_tokens
+    bound = belady(pt, c1 + c2, device_pages=c1).cached_tokens
     for policy in EVICTION_POLICIES:
         r = replay_tiered(trace, page_size, c1, c2, policy, write_policy)
-        assert r.device_hit_tokens <= belady(pt, page_size, c1).cached_tokens, policy
+        assert r.device_hit_tokens <= belady(pt, c1).cached_tokens, policy
         assert r.device_hit_tokens + r.host_hit_tokens <= bound <= infinite, policy
 
 
@@ -413,6 +437,139 @@ def test_belady_with_resident_pages_cut_is_the_exhaustive_optimum(trace, page_si
     pt = PageTrace.build(trace, page_size)
     capacity = data.draw(st.integers(1, max(1, min(pt.num_pages, 6))))
     resident = data.draw(st.integers(1, capacity))
-    assert belady(pt, page_size, capacity, resident).cached_tokens == exhaustive_optimum(
-        pt, page_size, capacity, resident
+    assert belady(pt, capacity, resident).cached_tokens == exhaustive_optimum(
+        pt, capacity, resident
     )
+
+
+# ----------------------------------------------------------------------------- timed model
+class Durations:
+    """A service model with a given duration (seconds) per arrival time."""
+
+    def __init__(self, **by_arrival: float) -> None:
+        self.by_arrival = {float(k[1:]): v for k, v in by_arrival.items()}
+
+    def duration_s(self, req: TraceRequest) -> float:
+        return self.by_arrival.get(req.arrival_s, 0.0)
+
+
+def at(t: float, prompt: list[int]) -> TraceRequest:
+    return TraceRequest(t, tuple(prompt), (9,), 0)
+
+
+# Page size 1, 7 pages; each running request also holds one private page (its output
+# token). r0 runs from t0 to t10, so its [1 2] stay locked although least recently used:
+#   r0 t0  [1 2]      runs to t10: [1 2] locked, 1 private        (3 used)
+#   r1 t1  [3 4]      runs to t2:  [3 4] cached, unlocked at t2   (6 used, then 5)
+#   r2 t3  [5 6]      needs 2 + 1 private, 2 free: evicts one leaf. LRU's oldest leaf is
+#                     [1 2] (t0), but it is locked: [3 4] goes (last used at t2).
+#   r3 t11 [1 2 7]    hits [1 2]: 2
+#   r4 t12 [3 4 8]    [3 4] is gone: 0
+# The instant model (no locks, no private pages; 5 pages) evicts [1 2] at r2 instead, and
+# [3 4] at r3: 0 hits. MIN (timed, 7 pages) evicts page 4 only at r2 (next used at r4,
+# after [1 2]; deeper first) and hits [1 2] at r3 and [3] at r4: 3.
+TRACE_T = [at(0, [1, 2]), at(1, [3, 4]), at(3, [5, 6]), at(11, [1, 2, 7]), at(12, [3, 4, 8])]
+DURATIONS_T = Durations(t0=10, t1=1, t3=1, t11=1)
+
+
+def test_running_requests_lock_their_pages() -> None:
+    timed = replay(TRACE_T, 1, 7, "lru", DURATIONS_T)
+    assert timed.cached_tokens == 2 and timed.overflow_pages == 0
+    assert timed.evicted_pages == 2 + 2  # [3 4] at r2, [5 6] at r4
+    assert replay(TRACE_T, 1, 5, "lru").cached_tokens == 0  # instant
+    pt = PageTrace.build(TRACE_T, 1, DURATIONS_T)
+    assert pt.events == [0, 1, ~1, 2, ~2, ~0, 3, ~3, 4, ~4]
+    assert [p.private for p in pt.pages] == [1] * 5
+    assert belady(pt, 7).cached_tokens == 3 == exhaustive_optimum(pt, 7)
+
+
+def test_a_request_that_does_not_fit_beside_the_running_ones_is_cut() -> None:
+    # 5 pages: r0 holds [1 2 3 4] locked and 1 private page until t4; r1 at t1 matches
+    # [1 2] (2 hits) but gets neither its page [5] nor its private page (2 overflow);
+    # r2 at t5 hits [1 2 3 4] (r1 cached only what it matched).
+    trace = [at(0, [1, 2, 3, 4]), at(1, [1, 2, 5]), at(5, [1, 2, 3, 4, 6])]
+    durations = Durations(t0=4, t1=3, t5=1)
+    result = replay(trace, 1, 5, "lru", durations)
+    assert result.cached_tokens == 2 + 4
+    assert result.overflow_pages == 2 + 1  # r1: [5] and its private page; r2: its private page
+    sched = lock_schedule(PageTrace.build(trace, 1, durations), 5)
+    assert sched.resident == [4, 2, 5] and sched.granted == [1, 0, 0]
+
+
+def test_timed_finish_caches_the_output_and_warmup_is_not_scored() -> None:
+    # Turn 2 extends turn 1's prompt + output; in the timed model the output's pages are
+    # cached when turn 1 finishes, from its private pages: ceil((4 + 4) / 2) = 4 KV pages,
+    # 2 of them the prompt's.
+    turn1 = TraceRequest(0.0, (1, 2, 3, 4), (5, 6, 7, 8), 0)
+    turn2 = TraceRequest(9.0, (1, 2, 3, 4, 5, 6, 7, 8, 9, 9), (9,), 0)
+    service = ServiceModel(prefill_tokens_per_s=4.0, decode_step_s=1.0)  # turn 1: 1 + 4 s
+    assert service.duration_s(turn1) == 5.0
+    pt = PageTrace.build([turn1, turn2], 2, service)
+    assert [(p.arrival, p.inserted, p.private) for p in pt.pages] == [(2, 3, 2), (5, 5, 1)]
+    result = replay([turn1, turn2], 2, 8, "lru", service)
+    assert result.cached_tokens == 6  # pages [1 2] [3 4] [5 6] ([7 8]: its last token is never run)
+    assert result.prompt_tokens == 4 + 10
+    warm = replay([turn1, turn2], 2, 8, "lru", service, warmup_s=1.0)
+    assert (warm.cached_tokens, warm.prompt_tokens) == (6, 10)
+    assert belady(PageTrace.build([turn1, turn2], 2, service, warmup_s=1.0), 8).cached_tokens == 6
+
+
+def timed_traces(max_requests: int):
+    """``random_traces`` with a timed model (overlaps of up to a few requests) and, half
+    the time, ids of 2-token blocks (each a page of 2 KV pages of 1 token)."""
+
+    @st.composite
+    def build(draw: st.DrawFn):
+        trace = draw(random_traces(max_requests))
+        blocks = draw(st.booleans())
+        if blocks:
+            trace = [dataclasses.replace(r, id_tokens=2) for r in trace]
+        service = ServiceModel(draw(st.sampled_from([0.0, 1.0, 4.0])), draw(st.floats(0, 1.5)))
+        return trace, service, 1 if blocks else draw(st.sampled_from([1, 2]))
+
+    return build()
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=timed_traces(10), data=st.data())
+def test_timed_replay_agrees_with_the_lock_schedule_and_stays_under_belady(case, data) -> None:
+    trace, service, page_size = case
+    pt = PageTrace.build(trace, page_size, service)
+    k = pt.geo.kv_per_page
+    capacity = data.draw(st.integers(k, max(k, pt.working_set_pages + 2 * k)))
+    sched = lock_schedule(pt, capacity)
+    best = belady(pt, capacity).cached_tokens
+    for policy in EVICTION_POLICIES:
+        sim = cs._SingleTier(pt.geo, capacity, policy, timed=True)
+        sim.run(trace, service)
+        assert [sim.resident[j] for j in range(len(trace))] == sched.resident, policy
+        assert [sim.granted[j] for j in range(len(trace))] == sched.granted, policy
+        assert sim.private == 0 and not sim.tree.protected_pages
+        sim.tree.check_invariants()
+        assert best >= sim.cached_tokens, policy
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=timed_traces(6), data=st.data())
+def test_timed_belady_equals_the_exhaustive_optimum(case, data) -> None:
+    trace, service, page_size = case
+    pt = PageTrace.build(trace, page_size, service)
+    k = pt.geo.kv_per_page
+    capacity = data.draw(st.integers(k, max(k, min(pt.working_set_pages, 6))))
+    assert belady(pt, capacity).cached_tokens == exhaustive_optimum(pt, capacity)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=timed_traces(10), write_policy=st.sampled_from(TIER_WRITE_POLICIES), data=st.data())
+def test_timed_tiers_stay_under_belady(case, write_policy, data) -> None:
+    trace, service, page_size = case
+    pt = PageTrace.build(trace, page_size, service)
+    k = pt.geo.kv_per_page
+    c1 = data.draw(st.integers(k, max(k, pt.working_set_pages)))
+    c2 = data.draw(st.integers(0, pt.working_set_pages))
+    single = replay(trace, page_size, c1, "lru", service)
+    for policy in EVICTION_POLICIES:
+        r = replay_tiered(trace, page_size, c1, c2, policy, write_policy, service)
+        assert r.device_hit_tokens <= belady(pt, c1).cached_tokens, policy
+        assert r.hit_rate <= belady(pt, c1 + c2, c1).hit_rate + 1e-12, policy
+        assert r.overflow_pages == single.overflow_pages

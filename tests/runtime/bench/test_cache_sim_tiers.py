@@ -15,7 +15,9 @@ import pytest
 
 from radixlm.radix import EVICTION_POLICIES
 from radixlm.runtime.bench import cache_traces as ct
-from radixlm.runtime.bench.cache_sim import PageTrace, belady, replay
+from radixlm.runtime.bench.cache_min import PageTrace, belady
+from radixlm.runtime.bench.cache_model import Geometry
+from radixlm.runtime.bench.cache_sim import replay
 from radixlm.runtime.bench.cache_sim_tiers import HOST, TieredCache, replay_tiered
 from radixlm.runtime.bench.cache_traces import TraceRequest
 
@@ -65,7 +67,7 @@ def test_a_host_as_large_as_the_working_set_is_the_infinite_cache(write_policy: 
     trace = chat_trace(seed=2)
     for page_size in (1, 2):
         pt = PageTrace.build(trace, page_size)
-        infinite = belady(pt, page_size, pt.num_pages)
+        infinite = belady(pt, pt.num_pages)
         smallest = max_pages(trace, page_size)  # no request is cut
         for c1 in (smallest, 2 * smallest):
             r = replay_tiered(trace, page_size, c1, pt.num_pages, "lru", write_policy)
@@ -81,9 +83,10 @@ def test_the_host_never_holds_more_than_its_budget(policy: str, write_policy: st
     trace = chat_trace(seed=3, conversations=60)
     released = 0
     for page_size, c1, c2 in [(1, 40, 30), (2, 20, 9), (2, 25, 1), (4, 6, 12)]:
-        cache = TieredCache(page_size, c1, c2, policy, write_policy)
-        for req in trace:
-            cache.serve(req)
+        cache = TieredCache(Geometry.of(trace, page_size), c1, c2, policy, write_policy)
+        for j, req in enumerate(trace):
+            cache.arrive(j, req, scored=True)
+            cache.finish(j, req)
             assert cache.tree.tier_pages(HOST) <= c2
             assert cache.tree.cached_pages <= c1
         cache.tree.check_invariants()
@@ -110,9 +113,15 @@ def test_mooncake_loader_on_the_first_lines() -> None:
 
 @needs_mooncake
 def test_mooncake_infinite_cache_hits_its_readme_block_rate() -> None:
-    pt = PageTrace.build(ct.mooncake(MOONCAKE), page_size=1)
+    trace = ct.mooncake(MOONCAKE)
+    pt = PageTrace.build(trace, page_size=16)
     assert len(pt.paths) == 12031
-    assert round(belady(pt, 1, pt.num_pages).hit_rate, 3) == 0.366  # README: 36.6% of blocks
+    assert pt.working_set_pages == 170_899 * 32  # whole blocks, 32 pages of 16 tokens each
+    best = belady(pt, pt.working_set_pages)
+    blocks = best.cached_tokens // 512
+    assert round(blocks / sum(len(r.prompt) for r in trace), 3) == 0.366  # README: of blocks
+    assert best.prompt_tokens == sum(r.input_tokens for r in trace)
+    assert round(best.hit_rate, 3) == 0.373  # of tokens: partial last blocks never hit
 
 
 def test_mooncake_loader_sorts_and_keeps_only_whole_blocks(tmp_path: Path) -> None:
@@ -129,8 +138,13 @@ def test_mooncake_loader_sorts_and_keeps_only_whole_blocks(tmp_path: Path) -> No
         (2.0, (0, 1), (0,)),  # a full last block: inserted
         (2.0, (0, 1, 3), ()),  # ties keep file order
     ]
+    assert [(r.input_tokens, r.output_tokens) for r in trace] == [(700, 9), (1024, 5), (1500, 1)]
     # the second request hits block 0, the third blocks 0 and 1 (the full last block)
-    assert replay(trace, 1, 10, "lru").cached_tokens == 1 + 2
+    result = replay(trace, 16, 10 * 32, "lru")
+    assert result.cached_tokens == (1 + 2) * 512
+    assert result.prompt_tokens == 700 + 1024 + 1500
+    with pytest.raises(ValueError, match="not whole 24-token pages"):
+        replay(trace, 24, 100, "lru")
     assert len(ct.mooncake(path, max_requests=2)) == 2
     with pytest.raises(FileNotFoundError, match="--mooncake-path"):
         ct.mooncake(tmp_path / "missing.jsonl")
@@ -166,3 +180,51 @@ def test_cli_tiers_writes_jsonl_plot_and_table(
     with pytest.raises(SystemExit, match="no Mooncake trace"):
         main(["bench", "cache-sim", "--tiers", "--traces", "mooncake",
               "--mooncake-path", str(tmp_path / "missing.jsonl")])  # fmt: skip
+
+
+def test_cli_timed_mooncake_scores_after_the_warmup(tmp_path: Path, capsys) -> None:
+    from radixlm.runtime.cli import main
+
+    rng = random.Random(7)
+    lines, conversations = [], {}
+    for i in range(200):  # conversations of 1-4 turns, each turn extending the last
+        conv = rng.randrange(40)
+        prev = conversations.get(conv, [0])
+        ids = prev + [1000 * i + k for k in range(rng.randint(1, 3))]
+        conversations[conv] = ids
+        length = 512 * (len(ids) - 1) + rng.randint(1, 512)
+        lines.append({"timestamp": 500 * i, "input_length": length,
+                      "output_length": rng.randint(1, 300), "hash_ids": ids})  # fmt: skip
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["bench", "cache-sim", "--traces", "mooncake", "--mooncake-path", str(path),
+            "--capacities", "0.05", "0.2", "--prefill-tokens-per-s", "2000",
+            "--decode-step-ms", "20", "--warmup-s", "50", "--output-dir", str(tmp_path),
+            "--no-progress"]  # fmt: skip
+    main(argv)
+    rows = [json.loads(x) for x in (tmp_path / "cache_sim.jsonl").read_text().splitlines()]
+    (info,) = [r for r in rows if r["kind"] == "trace"]
+    assert info["service"] == {"prefill_tokens_per_s": 2000.0, "decode_step_s": 0.02}
+    assert info["page_size"] == 16 and info["working_set_pages"] % 32 == 0
+    results = [r for r in rows if r["kind"] == "result"]
+    assert len(results) == 2 * (len(EVICTION_POLICIES) + 1)
+    scored = sum(line["input_length"] for line in lines if line["timestamp"] >= 50_000)
+    assert {r["prompt_tokens"] for r in results} == {scored}
+    for f in (0.05, 0.2):
+        at = {r["policy"]: r for r in results if r["capacity_fraction"] == f}
+        assert all(r["hit_rate"] <= at["belady"]["hit_rate"] + 1e-12 for r in at.values())
+        assert all(r["cached_tokens"] % 512 == 0 for p, r in at.items() if p != "belady")
+    assert "| 5% |" in capsys.readouterr().out
+
+
+def test_the_host_tier_can_have_its_own_policy() -> None:
+    from radixlm.radix.eviction import lru
+
+    trace = chat_trace(seed=4, conversations=60)
+    geo = Geometry.of(trace, 2)
+    cache = TieredCache(geo, 20, 9, "lfu", "write_back", host_policy="lru")
+    assert cache.tree._policy is not lru and cache.tree._tier_heaps[0]._policy is lru
+    same = replay_tiered(trace, 2, 20, 9, "lfu", host_policy="lfu")
+    assert same == replay_tiered(trace, 2, 20, 9, "lfu")
+    mixed = replay_tiered(trace, 2, 20, 9, "lfu", host_policy="lru")
+    assert mixed.host_hit_tokens != same.host_hit_tokens
