@@ -87,6 +87,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import statistics
 import subprocess
@@ -246,7 +247,7 @@ def _tail(path: Path, chars: int = 2000) -> str:
 def _last_line(text: str) -> str:
     """The last line naming an error (a traceback's last), else the last line."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "Exception" in line]
+    errors = [line for line in lines if re.search(r"\bERROR\b|\w(Error|Exception)\b", line)]
     return (errors or lines or ["no output"])[-1][:160]
 
 
