@@ -63,11 +63,16 @@ waits, up to ``--load-wait`` s, for the 1-minute load average to fall below ``--
 (0.7), and records the load at the start and whether it got there. A cell of the table is the
 median over the rounds (min - max with more than one).
 
+Time on 2 cores shared with other work (load average 4-13): the first llama.cpp build took
+~25 min, vLLM's install ~8 min (both once), a round ~60 min (radixlm 40 of them; vLLM's first
+start compiles for ~4 min). The workloads are sized to take a few minutes per engine on a
+quiet box.
+
 Output: ``--out`` (default ``bench/results/peers-<time>.json``) with every round's numbers and
 the bench records, the servers' and the client's logs in ``<out stem>/``, and the markdown
 table on stdout; ``--report FILE`` prints the table of a results file again.
 
-    .venv/bin/python bench/cpu/peers.py --rounds 1                 # all engines (~25 min, 2 cores)
+    .venv/bin/python bench/cpu/peers.py --rounds 1                 # all engines, see below for time
     .venv/bin/python bench/cpu/peers.py --quick --engines radixlm llamacpp   # smoke run
     .venv/bin/python bench/cpu/peers.py --report bench/results/peers-<time>.json
 """
@@ -82,6 +87,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import statistics
 import subprocess
@@ -241,7 +247,7 @@ def _tail(path: Path, chars: int = 2000) -> str:
 def _last_line(text: str) -> str:
     """The last line naming an error (a traceback's last), else the last line."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "Exception" in line]
+    errors = [line for line in lines if re.search(r"\bERROR\b|\w(Error|Exception)\b", line)]
     return (errors or lines or ["no output"])[-1][:160]
 
 
