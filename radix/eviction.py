@@ -280,9 +280,6 @@ class ReuseGap:
     def observe_new_candidate(self, node: Any) -> None:
         self.latest = max(self.latest, node.last_access)
 
-    def observe_evicted(self, node: Any) -> None:
-        pass
-
     def refresh_due(self) -> bool:
         return self.latest - self.now >= REUSE_GAP_REFRESH_S
 
