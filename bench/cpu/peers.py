@@ -646,9 +646,13 @@ def report(results: dict[str, Any]) -> str:
     head = (f"{env['date']}, `{env['commit']}`, {env['cpu']} x{env['nproc']}, {results['threads']} threads "
             f"per server, {results['rounds_asked']} round(s); load average {_fmt_load(env['loadavg_start'])} "
             f"at start, {_fmt_load(env.get('loadavg_end'))} at end")
-    notes = [f"- {s['title']}: {s.get('version') or '?'}; {s['notes']}" +
-             (f"; n/a: {s['unavailable']}" if s.get("unavailable") else "")
-             for s in results["engines"].values()]
+    notes = []
+    for name, s in results["engines"].items():
+        extra = [f"+ {results.get('server_args', {}).get(name, '')}".strip(" +")]
+        extra += [f"{k}={v}" for k, v in results.get("server_env", {}).get(name, {}).items()]
+        notes.append(f"- {s['title']}: {s.get('version') or '?'}; {s['notes']}"
+                     + "".join(f"; {x}" for x in extra if x)
+                     + (f"; n/a: {s['unavailable']}" if s.get("unavailable") else ""))
     return "\n".join([head, "", table(results), "", *notes])
 
 
