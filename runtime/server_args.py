@@ -35,6 +35,7 @@ PREEMPTION_POLICIES = ("lru", "longest", "importance")  # scheduler.preemption
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # scheduler.planner
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")  # scheduler.waiting_order
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # scheduler.hicache
+HICACHE_LOAD_POLICIES = ("cost_model", "always")  # memory.cost_model.TierCostModel.always_load
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # "auto" + text.tool_parsers
 DP_ROUTING_POLICIES = ("cache_aware", "round_robin")  # server.dp_router
 
@@ -296,6 +297,10 @@ class ServerArgs:
         "on eviction (write_back). Pages reaching the host also go to the disk tier.",
         HICACHE_WRITE_POLICIES)
     hicache_write_threshold: int = _opt(2, "Hits before write_through_selective copies a page down.")
+    hicache_load_policy: str = _opt(
+        "cost_model", "Which lower-tier hits are loaded: those the load-vs-recompute cost model "
+        "finds faster to load than to recompute, with the tier bandwidths measured at start-up "
+        "(cost_model), or every one (always).", HICACHE_LOAD_POLICIES)
     hicache_prefetch_timeout_s: float = _opt(
         5.0, "Longest a waiting request waits for its disk pages before it is admitted and "
         "recomputes the rest (it also never waits longer than recomputing them would take).")

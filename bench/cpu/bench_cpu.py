@@ -1,6 +1,7 @@
 """CPU benchmark (``make bench``): radixlm vs Hugging Face transformers, side by side in
-one run, same weights (SmolLM2-135M-Instruct converted to fp32, the server's own directory
-from ``/get_model_info``).
+one run, on SmolLM2-135M-Instruct: radixlm serves its defaults (the GGUF's weight kinds:
+int4 linears, int8 LM head; ``--server-args "--weight-dtype model"`` for float32),
+transformers the float32 directory radixlm converted the GGUF into (``/get_model_info``).
 
 (a) Decode speed at batch 1 and batch 8, fixed output length (EOS ignored), seeded random
     prompt token ids (each request its own prompt, so nothing is shared):
@@ -13,7 +14,7 @@ from ``/get_model_info``).
       a ``max_new_tokens=1`` call, decode tokens/s = B (N - 1) / (T(N) - T(1)).
     Both also report end-to-end output tokens/s (all output tokens / wall time, prefill
     included). transformers runs with the radixlm scheduler's torch thread count
-    (nproc - 1, see runtime/executor/model_runner.py) and with torch's default (nproc).
+    (``model_loader.cpu_threads``) and with torch's default.
 (b) The multi-turn ShareGPT replay of ``examples/sharegpt_multiturn.py`` (imported, one
     implementation) with the radix cache on and off (``--disable-radix-cache``), same
     conversations: TTFT per turn index (mean / median) and the prefix-cache hit rates.
@@ -49,6 +50,8 @@ from types import ModuleType
 from typing import Any
 
 import httpx
+
+from radixlm.runtime.executor.model_loader import cpu_threads
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (this file is bench/cpu/bench_cpu.py)
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -99,7 +102,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_default_threads": torch.get_num_threads(),
-        "radixlm_scheduler_threads": max(1, (os.cpu_count() or 2) - 1),
+        "radixlm_scheduler_threads": cpu_threads(),
         "loadavg_start": os.getloadavg(),
     }
 
@@ -423,7 +426,8 @@ def _report(args: argparse.Namespace, cfg: Any, env: dict, state: dict) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     png = RESULTS_DIR / f"bench_cpu-{stamp}.png"
     title = (
-        f"SmolLM2-135M-Instruct fp32, {env['cpu']} x{env['nproc']}, commit {env['commit']}, "
+        f"SmolLM2-135M-Instruct (radixlm {args.server_args or 'defaults'}, transformers fp32), "
+        f"{env['cpu']} x{env['nproc']}, commit {env['commit']}, "
         f"{env['date']}"
     )
     plot(state["on"], state["off"], decode, png, title)

@@ -65,8 +65,8 @@ median over the rounds (min - max with more than one).
 
 Time on 2 cores shared with other work (load average 4-13): the first llama.cpp build took
 ~25 min, vLLM's install ~8 min (both once), a round ~60 min (radixlm 40 of them; vLLM's first
-start compiles for ~4 min). The workloads are sized to take a few minutes per engine on a
-quiet box.
+start compiles for ~4 min). On the quiet box (load under 0.7) 2 rounds took 21 min, the
+waits for the load included.
 
 Output: ``--out`` (default ``bench/results/peers-<time>.json``) with every round's numbers and
 the bench records, the servers' and the client's logs in ``<out stem>/``, and the markdown

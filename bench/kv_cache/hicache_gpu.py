@@ -2,11 +2,13 @@
 
 ``ttft``: time to first token of a prompt of L tokens (4K, 16K, 32K) whose cached prefix
 comes from the device pool (L1), the host tier (L3: pushed out of the device by filler
-prompts first), the disk tier (L4: a second server on the same storage folder after the
-first one stopped, with the page files dropped from the OS page cache), or nowhere
-(recompute: the prompt's first request). The first token is the whole request here
-(``max_new_tokens`` 1, no HTTP), so TTFT = the request's latency. The tiers' bandwidths
-measured at start-up are recorded.
+prompts first; a host tier of ``--ttft-host-gb`` holds them all), the disk tier (L4: a
+second server on the same storage folder after the first one stopped, with the page files
+dropped from the OS page cache; once with ``--hicache-load-policy cost_model``, which loads
+only where loading beats recomputing by the bandwidths it measured, and once with
+``always``), or nowhere (recompute: the prompt's first request). The first token is the
+whole request here (``max_new_tokens`` 1, no HTTP), so TTFT = the request's latency. The
+tiers' bandwidths measured at start-up are recorded.
 
 ``multiturn``: many conversations at once (SGLang's bench_multiturn shape): C clients,
 each T turns of a Q-token question and an A-token answer, the prompt being the whole
@@ -81,7 +83,7 @@ def run_ttft(model: Path, args: argparse.Namespace, out: dict, save) -> None:
     rng = random.Random(0)
     store = Path(args.storage_dir)
     prompts = {n: ids(rng, n, args.vocab) for n in args.lengths}
-    tiers = dict(hicache_size_gb=args.host_gb, hicache_storage_dir=str(store), hicache_storage_size_gb=args.disk_gb)
+    tiers = dict(hicache_size_gb=args.ttft_host_gb, hicache_storage_dir=str(store), hicache_storage_size_gb=args.disk_gb)
     rows = out.setdefault("ttft", [])
     with server(model, args, **tiers) as srv:
         out["tiers"] = srv.tm.ready.hicache
@@ -102,14 +104,18 @@ def run_ttft(model: Path, args: argparse.Namespace, out: dict, save) -> None:
             rows.append(dict(tokens=n, source="L3", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
             print(json.dumps(rows[-1]), flush=True)
         save(out)
-    out["page_files_dropped_from_page_cache"] = drop_page_cache(store)
-    with server(model, args, **tiers) as srv:
-        for n, prompt in prompts.items():
-            first_token(srv, ids(rng, n, args.vocab))  # graphs / kernels at this length
-            t, meta = first_token(srv, prompt)
-            rows.append(dict(tokens=n, source="L4", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
-            print(json.dumps(rows[-1]), flush=True)
-        out["l4_stats"] = _stats(srv)
+    for policy in ("cost_model", "always"):  # the cost model may find the disk slower than recomputing
+        out.setdefault("page_files_dropped_from_page_cache", []).append(drop_page_cache(store))
+        with server(model, args, hicache_load_policy=policy, **tiers) as srv:
+            out.setdefault("l4_tiers", {})[policy] = srv.tm.ready.hicache
+            for n, prompt in prompts.items():
+                first_token(srv, ids(rng, n, args.vocab))  # graphs / kernels at this length
+                t, meta = first_token(srv, prompt)
+                rows.append(dict(tokens=n, source="L4", load_policy=policy, ttft_s=t,
+                                 cached=meta["cached_tokens_per_tier"]))
+                print(json.dumps(rows[-1]), flush=True)
+            out.setdefault("l4_stats", {})[policy] = _stats(srv)
+        save(out)
     shutil.rmtree(store, ignore_errors=True)
 
 
@@ -196,6 +202,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--context-length", type=int, default=34000)
     ap.add_argument("--device-tokens", type=int, default=36864, help="device KV pool (tokens)")
+    ap.add_argument("--ttft-host-gb", type=float, default=32.0,
+                    help="host tier of the ttft part: holds every prompt it sends (~27 GB of 8B KV)")
     ap.add_argument("--host-gb", type=float, default=16.0, help="host tier holding the working set")
     ap.add_argument("--small-host-gb", type=float, default=4.0, help="host tier of the L1+L3+L4 run")
     ap.add_argument("--disk-gb", type=float, default=30.0)

@@ -64,7 +64,8 @@ class TierCostModel:
     transfer); recompute: ``compute.span_seconds(start, end)``. Seconds throughout; the
     rates are measured at start-up (``ModelRunner.tier_costs``, ``PeerKVLink.measure``;
     /get_server_info shows them). A tier whose rate (or a hop's) is missing from
-    ``read_bytes_per_s`` is never worth loading.
+    ``read_bytes_per_s`` is never worth loading. ``always_load`` (``--hicache-load-policy
+    always``): every tier with a rate is worth loading, whatever it costs.
     """
 
     compute: SwapCostModel
@@ -72,6 +73,7 @@ class TierCostModel:
     page_size: int
     read_bytes_per_s: dict[str, float]
     latency_s: dict[str, float] = field(default_factory=dict)
+    always_load: bool = False
 
     def load_seconds(self, tier: str, tokens: int) -> float:
         nbytes = -(-tokens // self.page_size) * self.page_bytes
@@ -82,5 +84,7 @@ class TierCostModel:
         return self.latency_s.get(tier, 0.0) + sum(nbytes / rates[hop] for hop in hops)
 
     def worth_loading(self, tier: str, start: int, end: int) -> bool:
-        """Whether loading positions [start, end) from ``tier`` beats recomputing them."""
-        return self.load_seconds(tier, end - start) < self.compute.span_seconds(start, end)
+        """Whether loading positions [start, end) from ``tier`` beats recomputing them (with
+        ``always_load``: whether ``tier`` can be loaded from at all)."""
+        load = self.load_seconds(tier, end - start)
+        return load < float("inf") if self.always_load else load < self.compute.span_seconds(start, end)

@@ -680,6 +680,8 @@ def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCa
         disk = DiskStore(args.hicache_storage_dir, runner.kv_identity(), args.page_size, page_bytes,
                          int(args.hicache_storage_size_gb * 2**30))
     costs = runner.tier_costs(host, disk)
+    if args.hicache_load_policy == "always":
+        costs = dataclasses.replace(costs, always_load=True)
     hicache = HiCache(tree, host, disk, costs, args.hicache_write_policy, args.hicache_write_threshold,
                       args.hicache_prefetch_timeout_s)
     indexed = hicache.index_disk()
@@ -692,7 +694,8 @@ def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCa
     hicache.info = {
         "host_pages": rows, "disk_pages": disk.capacity_pages if disk else 0, "page_bytes": page_bytes,
         "disk_pages_indexed": indexed, "read_bytes_per_s": costs.read_bytes_per_s,
-        "recompute_flops_per_s": costs.compute.flops_per_s, "write_policy": args.hicache_write_policy}
+        "recompute_flops_per_s": costs.compute.flops_per_s, "write_policy": args.hicache_write_policy,
+        "load_policy": args.hicache_load_policy}
     return hicache
 
 

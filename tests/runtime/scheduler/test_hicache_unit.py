@@ -4,6 +4,7 @@ policy, each checked on the tree, the host rows and the counters."""
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 
 from radixlm.radix import RadixTree
@@ -123,6 +124,22 @@ def test_cost_model_skips_a_load_slower_than_recompute() -> None:
     assert node is None and pages == [] and hc.stats.skipped_loads == 2
     fast = make(disk=False)[1].costs
     assert fast.worth_loading("host", 0, 4) and not hc.costs.worth_loading("host", 0, 4)
+
+
+def test_always_load_loads_what_the_cost_model_skips() -> None:
+    """--hicache-load-policy always: the 1 byte/s host tier is loaded anyway; a tier
+    without a measured rate still is not."""
+    model = dataclasses.replace(costs(host_bw=1.0), always_load=True)
+    tree, hc, _ = make(model=model, disk=False)
+    hc.on_insert(tree.insert([1, 2, 3, 4], [5, 6]).node)
+    hc.issue()
+    assert tree.evict(2) == [5, 6]
+    match = tree.match_prefix([1, 2, 3, 4])
+    node, pages, source = hc.load_tail(match.tail, 0, lambda n: list(range(10, 10 + n)))
+    assert node is match.tail[-1] and pages == [10, 11] and source == {"host": 4, "disk": 0}
+    assert hc.stats.skipped_loads == 0
+    no_disk = dataclasses.replace(model, read_bytes_per_s={"host": 1.0})
+    assert no_disk.worth_loading("host", 0, 4) and not no_disk.worth_loading("disk", 0, 4)
 
 
 def test_selective_write_waits_for_hits() -> None:
