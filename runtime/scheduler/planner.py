@@ -375,6 +375,7 @@ class BatchPlanner:
             return 0
         if verdict == "wait":
             return None
+        reused = req.num_computed  # the cached prefix match_and_lock gave it
         if req.swap_tokens and not self._swap_in(req, decision):
             self.cache.release(req, keep_in_cache=False)
             return None
@@ -386,6 +387,9 @@ class BatchPlanner:
                 self.swapped_tokens += self._pages(req.swap_tokens) * self.page_size
             self.cache.release(req, keep_in_cache=False)
             return None
+        if not req.admitted:  # its first admission: what the cache gave it is its cached_tokens
+            req.cached_tokens, req.admitted = reused, True
+            self.cache.count_hits(req)
         self.order.admitted(req)
         self._take_waiting(req)
         if self._running_reserve is not None:
@@ -399,18 +403,21 @@ class BatchPlanner:
         current sequence plus the decode reserve (``_decode_reserve``; no reserve when
         nothing else runs), "wait" if it must wait for running requests to free pages,
         "reject" if its sequence can never fit."""
-        reused = 0
         if self.enable_prefix_reuse:
-            reused = self.cache.match_and_lock(req, self._match_limit(req))
-        if not req.admitted:
-            req.cached_tokens = reused
-            req.admitted = True
-        need = -(-req.seq_len // self.page_size) - len(req.pages)
-        available = self.cache.available_pages
-        if need <= available and (not self.running or need + self._decode_reserve(req) <= available):
-            return "admit"  # alone, a request only needs its sequence to fit
+            self.cache.match_and_lock(req, self._match_limit(req), lambda pages: self._fits(req, pages))
+        if self._fits(req, len(req.pages)):
+            return "admit"
         self.cache.release(req, keep_in_cache=False)
         return "wait" if self.running else "reject"
+
+    def _fits(self, req: Req, held_pages: int) -> bool:
+        """Whether the pool can take ``req``'s whole current sequence beyond the
+        ``held_pages`` cached pages it holds, plus the decode reserve (none when nothing
+        else runs: alone, a request only needs its sequence to fit). Pages loaded from a
+        lower tier come out of the same free pages as recomputed ones."""
+        need = -(-req.seq_len // self.page_size) - held_pages
+        available = self.cache.available_pages
+        return need <= available and (not self.running or need + self._decode_reserve(req) <= available)
 
     def _decode_reserve(self, candidate: Req) -> int:
         """Pages to keep free for decode: for each running request (at least one page

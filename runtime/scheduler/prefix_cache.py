@@ -56,9 +56,13 @@ class PrefixCache:
         self.events: KVEventRecorder | None = None  # set by the scheduler (--kv-events-endpoint)
 
     # ----------------------------------------------------------------- admission
-    def match_and_lock(self, req: Req, max_tokens: int) -> int:
+    def match_and_lock(self, req: Req, max_tokens: int, can_load: Callable[[int], bool] | None = None) -> int:
         """Point ``req`` at the longest cached page-aligned prefix of its first
-        ``max_tokens`` tokens and lock it. Returns the number of reused tokens."""
+        ``max_tokens`` tokens and lock it. Pages cached only in a lower tier are loaded
+        (where the cost model finds it worth it) only if ``can_load(device pages
+        matched)`` is true or absent: the admission check, made with the path locked,
+        so that a request that must wait moves no pages. Returns the number of reused
+        tokens."""
         assert not req.pages and req.tree_node is None, "request already holds KV"
         if self.tree is None or max_tokens < self.page_size:
             return 0
@@ -66,10 +70,11 @@ class PrefixCache:
         node, pages, source = match.node, list(match.pages), None
         if match.tail:  # cached below the device: load what is worth loading
             self.tree.inc_lock(match.tail[-1])  # nothing on the path goes while pages are allocated
-            loaded, more, source = self.hicache.load_tail(match.tail, match.num_tokens, self.alloc)
-            if loaded is not None:
-                node = loaded
-                pages.extend(more)
+            if can_load is None or can_load(len(pages)):
+                loaded, more, source = self.hicache.load_tail(match.tail, match.num_tokens, self.alloc)
+                if loaded is not None:
+                    node = loaded
+                    pages.extend(more)
             self.tree.inc_lock(node)
             self.tree.dec_lock(match.tail[-1])
         elif pages:
@@ -77,7 +82,7 @@ class PrefixCache:
         if self.hicache is not None:
             self.hicache.on_match(match.node)
         if not req.admitted and (self.hicache is not None or self.peer is not None):
-            self._count_tiers(req, match.num_tokens, source)
+            self._split_tiers(req, match.num_tokens, source)
         if not pages:
             return 0
         req.tree_node = node
@@ -86,10 +91,11 @@ class PrefixCache:
         req.num_computed = len(pages) * self.page_size
         return req.num_computed
 
-    def _count_tiers(self, req: Req, device_tokens: int, source: dict[str, int] | None) -> None:
-        """``req.cached_tiers`` at its first admission: the device run split into the
-        tokens a peer fetch inserted for it (``req.peer_span``) and the rest, plus the
-        tokens loaded from host and disk (``source``); the tiers' hit counters."""
+    def _split_tiers(self, req: Req, device_tokens: int, source: dict[str, int] | None) -> None:
+        """``req.cached_tiers`` of this match (the one that first admits it counts,
+        ``count_hits``): the device run split into the tokens a peer fetch inserted for
+        it (``req.peer_span``) and the rest, plus the tokens loaded from host and disk
+        (``source``)."""
         peer = 0
         if req.peer_span is not None:
             first, end = req.peer_span
@@ -97,11 +103,19 @@ class PrefixCache:
         tiers = {"device": device_tokens - peer}
         if self.hicache is not None:
             tiers.update(source or {"host": 0, "disk": 0})
-            self.hicache.count_hits(device_tokens - peer, source or {})
         if self.peer is not None:
             tiers["peer"] = peer
-            self.peer.stats.hit_tokens += peer
         req.cached_tiers = tiers
+
+    def count_hits(self, req: Req) -> None:
+        """Add ``req.cached_tiers`` to the tiers' hit counters: once, at its first admission."""
+        tiers = req.cached_tiers
+        if tiers is None:
+            return
+        if self.hicache is not None:
+            self.hicache.count_hits(tiers["device"], {t: tiers[t] for t in ("host", "disk")})
+        if self.peer is not None:
+            self.peer.stats.hit_tokens += tiers["peer"]
 
     # ----------------------------------------------------------------- lower tiers
     @property

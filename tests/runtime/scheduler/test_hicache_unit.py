@@ -1,6 +1,7 @@
 """HiCache (scheduler/hicache.py) with a real tiered RadixTree and fake byte movers: the
-prefetch timeout, a failed disk read, the cost model's verdict and the selective write
-policy, each checked on the tree, the host rows and the counters."""
+prefetch timeout, a failed disk read, the cost model's verdict, the selective write
+policy and loads at admission (with the batch planner), each checked on the tree, the
+host rows and the counters."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from concurrent.futures import Future
 
 from radixlm.radix import RadixTree
 from radixlm.runtime.memory.cost_model import SwapCostModel, TierCostModel
+from radixlm.runtime.memory.page_allocator import PageAllocator
+from radixlm.runtime.messages import SamplingParams
 from radixlm.runtime.scheduler.hicache import DISK, HOST, HiCache
+from radixlm.runtime.scheduler.planner import BatchPlanner
+from radixlm.runtime.scheduler.prefix_cache import PrefixCache
+from radixlm.runtime.scheduler.request import Req
 
 S = 2  # page size
 
@@ -178,3 +184,49 @@ def test_index_disk_rebuilds_chains_and_drops_orphans() -> None:
         match = tree.match_prefix(tokens)
         assert match.tail_tokens == 4 and [k for n in match.tail for k in n.copy_in(DISK)][-1] in (a[1].key, b[1].key)
     tree.check_invariants()
+
+
+def test_a_request_that_must_wait_loads_nothing_and_counts_the_match_that_admits_it() -> None:
+    """A host-cached prefix is loaded only when its request is admitted: while a running
+    request holds the pool, the waiting one moves no page; once admitted, its
+    cached_tokens and the host hit counter are those of the admitting match, counted once."""
+    tree = RadixTree(S, tiers=("host",))
+    hc = HiCache(tree, FakeHost(), None, costs(), "write_through", write_threshold=2, prefetch_timeout_s=1.0)
+    alloc = PageAllocator(9)  # pages 1..8
+    cache = PrefixCache(alloc, tree, S, hicache=hc)
+    planner = BatchPlanner(cache, max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=8,
+                           enable_prefix_reuse=True)
+    pages = alloc.alloc(2)
+    hc.on_insert(tree.insert([1, 2, 3, 4], pages).node)
+    hc.issue()
+    alloc.free(tree.evict(2))  # [1, 2, 3, 4] now lives in the host tier only
+
+    def step() -> list[str]:
+        decision = planner.plan()
+        for it in decision.items:
+            req, was_prefill = it.req, it.req.in_prefill
+            req.num_computed += it.num_tokens
+            if was_prefill and not req.in_prefill:
+                cache.cache(req)
+            if it.samples:
+                req.output_ids.append(7)
+        hc.issue()
+        cache.check_invariants(planner.live)
+        return [it.req.rid for it in decision.items]
+
+    def req(rid: str, prompt: list[int]) -> Req:
+        return Req(rid=rid, prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=4), arrival=float(len(rid)))
+
+    running = req("r", list(range(100, 111)))  # 11 tokens + 1 decoded: 6 of the 8 pages, 2 free
+    planner.add(running)
+    assert step() == ["r"]
+    waiting = req("ww", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # 5 pages, 2 of them cached on the host
+    planner.add(waiting)
+    assert step() == ["r"]  # no room: it waits
+    assert hc.stats.pages_moved["host_to_device"] == 0 and hc.host.loads == []
+    assert not waiting.admitted and tree.match_prefix([1, 2, 3, 4]).tail  # still host-only
+    planner.remove(running)
+    assert step() == ["ww"]
+    assert waiting.cached_tokens == 4 and waiting.cached_tiers == {"device": 0, "host": 4, "disk": 0}
+    assert hc.stats.hit_tokens["host"] == 4 and hc.stats.pages_moved["host_to_device"] == 2
+    assert len(hc.host.loads) == 1

@@ -172,6 +172,8 @@ def test_pages_come_from_the_peer_and_count_as_peer_tokens() -> None:
     assert b.tree.protected_pages == 0
     assert b.cache.match_and_lock(req, len(PROMPT) - 1) == 24
     assert req.cached_tiers == {"device": 0, "peer": 24}
+    assert b.peer.stats.hit_tokens == 0  # counted when the planner admits it
+    b.cache.count_hits(req)
     st = b.peer.stats
     assert (st.fetches, st.fetches_loaded, st.pages_received, st.tokens_inserted, st.hit_tokens) == (1, 1, 6, 24, 24)
     assert (a.peer.stats.requests_served, a.peer.stats.pages_sent) == (1, 6)
