@@ -350,7 +350,9 @@ class HiCache:
             futures = [self.disk.submit_read(key, self._into(row)) for key, row in zip(node.copy_in(DISK), rows,
                                                                                         strict=True)]
             started.append((node, rows, futures))
-        timeout = min(self.prefetch_timeout_s, self.costs.compute.span_seconds(start_tokens, pos))
+        timeout = self.prefetch_timeout_s
+        if not self.costs.always_load:  # never wait longer than recomputing would take
+            timeout = min(timeout, self.costs.compute.span_seconds(start_tokens, pos))
         self.prefetches[rid] = _Prefetch(deepest, started, self.clock(), tokens, timeout)
         return True
 

@@ -148,6 +148,19 @@ def test_always_load_loads_what_the_cost_model_skips() -> None:
     assert no_disk.worth_loading("host", 0, 4) and not no_disk.worth_loading("disk", 0, 4)
 
 
+def test_always_load_waits_for_the_disk_up_to_the_prefetch_timeout() -> None:
+    """cost_model: a prefetch waits at most the recompute time (8 ms here); always: the
+    whole --hicache-prefetch-timeout-s (1 s)."""
+    for always, ready_at_half_s in ((False, True), (True, False)):
+        tree, hc, now = make(model=dataclasses.replace(costs(), always_load=always))
+        disk_only(tree, [1, 2, 3, 4])
+        assert hc.prefetch("r", tree.match_prefix([1, 2, 3, 4]).tail, 0)
+        now[0] = 0.5
+        assert hc.prefetch_ready("r") is ready_at_half_s
+        now[0] = 1.5
+        assert hc.prefetch_ready("r") and hc.stats.prefetch_timeouts == 1
+
+
 def test_selective_write_waits_for_hits() -> None:
     tree, hc, _ = make("write_through_selective", disk=False)
     result = tree.insert([1, 2], [5])
