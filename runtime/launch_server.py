@@ -118,11 +118,12 @@ def make_tokenizer_manager(args: ServerArgs, ready: m.SchedulerReady, send: MsgS
 
 
 def _dead(procs: list[mp.Process]) -> str | None:
-    """Why a model process is no longer running (None while all are)."""
-    for proc in procs:
-        if not proc.is_alive():
-            return f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
-    return None
+    """Why model processes are no longer running (None while all are): every dead one,
+    those killed by a signal first (a rank's peers then fail in their collective and exit
+    with code 1, often before the watchdog looks, and are not the cause)."""
+    dead = [proc for proc in procs if not proc.is_alive()]
+    dead.sort(key=lambda proc: not (proc.exitcode is not None and proc.exitcode < 0))
+    return "; ".join(f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}" for proc in dead) or None
 
 
 async def _watchdog(procs: list[mp.Process], tm: TokenizerManager, server: uvicorn.Server, state: dict) -> None:
