@@ -109,7 +109,7 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         req = _proxy_request(pending_request)  # every call counts in flight until completed
         ids = req.routing_ids if req is not None and req.pin is None else None
-        self.routing.started(replica_id.unique_id, ids)
+        self.routing.started(replica_id.unique_id, ids, pending_request.metadata.internal_request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.routing.finished(replica_id.unique_id)
+        self.routing.finished(replica_id.unique_id, internal_request_id)

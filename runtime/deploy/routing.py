@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = ["ROUTING_MODES", "Decision", "ReplicaRouting"]
 
 ROUTING_MODES = ("precise", "approximate")
 PROVISIONAL_S = 5.0
+EARLY_COMPLETIONS = 4096  # request ids remembered as completed before they were reported routed
 LIVE_ROUTERS: dict[str, Any] = {}  # deployment name -> this process's PrefixCacheRouter (router.py)
 
 
@@ -71,6 +73,8 @@ class ReplicaRouting:
         self.index = KVBlockIndex(group=lambda source: source[0])
         self.subscribers: dict[str, list[KVEventSubscriber]] = {}
         self.inflight: dict[str, int] = {}
+        self._open: dict[str, str] = {}  # request id -> replica: routed, not completed yet
+        self._early: OrderedDict[str, None] = OrderedDict()  # request ids completed before routed
         self.meta: dict[str, dict] = {}  # replica -> its record_replica_metadata
         self.kv_usage: dict[str, float] = {}
         self.provisional: dict[int, dict[str, float]] = {}  # block hash -> replica -> expiry
@@ -119,6 +123,8 @@ class ReplicaRouting:
         for source in [s for s in self.index.sources() if s[0] == replica]:
             self.index.drop(source)
         self.inflight.pop(replica, None)
+        for rid in [rid for rid, r in self._open.items() if r == replica]:
+            del self._open[rid]
         self.meta.pop(replica, None)
         self.kv_usage.pop(replica, None)
         if self.cache is not None:
@@ -132,9 +138,14 @@ class ReplicaRouting:
             self.kv_usage[replica] = float(stats["kv_usage"])
 
     # ------------------------------------------------------------------ requests
-    def started(self, replica: str, ids: Sequence[int] | None) -> None:
-        """A request with prompt ``ids`` went to ``replica``."""
-        self.inflight[replica] = self.inflight.get(replica, 0) + 1
+    def started(self, replica: str, ids: Sequence[int] | None, request_id: str | None = None) -> None:
+        """A request with prompt ``ids`` went to ``replica``. With ``request_id`` it counts
+        in flight until ``finished`` names the same id, whichever of the two Ray reports
+        first (a fast request may complete before it is reported routed)."""
+        if request_id is None or self._early.pop(request_id, False) is False:
+            if request_id is not None:
+                self._open[request_id] = replica
+            self.inflight[replica] = self.inflight.get(replica, 0) + 1
         if not ids or self.cache is None:
             return
         self.cache.record(replica, ids)
@@ -144,7 +155,17 @@ class ReplicaRouting:
                 for h in block_hashes(ids, self.cache.page_size):
                     self.provisional.setdefault(h, {})[replica] = expiry
 
-    def finished(self, replica: str) -> None:
+    def finished(self, replica: str, request_id: str | None = None) -> None:
+        """A request to ``replica`` ended (answered, failed, or rejected before it was
+        routed: Ray reports those too; an id not routed yet is remembered, the last
+        ``EARLY_COMPLETIONS`` of them, so that its ``started`` does not count it)."""
+        if request_id is not None:
+            replica = self._open.pop(request_id, None)
+            if replica is None:
+                self._early[request_id] = None
+                while len(self._early) > EARLY_COMPLETIONS:
+                    self._early.popitem(last=False)
+                return
         if self.inflight.get(replica, 0) > 0:
             self.inflight[replica] -= 1
 

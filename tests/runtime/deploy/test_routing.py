@@ -102,6 +102,28 @@ def test_a_removed_replica_is_forgotten(routing):
     assert FakeSubscriber.made[-1].endpoint == "tcp://c:1" and len(routing.subscribers["c"]) == 1
 
 
+def test_in_flight_counts_match_requests_by_id_whatever_order_ray_reports():
+    """Ray may report a fast request completed before routed, and reports requests it
+    rejected before routing as completed: neither leaves a count behind."""
+    r = ReplicaRouting(subscribe=FakeSubscriber)
+    r.sync({"a": _meta("a"), "b": _meta("b")})
+    r.started("a", None, "1")
+    r.started("b", None, "2")
+    assert r.inflight == {"a": 1, "b": 1}
+    r.finished("b", "3")  # completed before it was reported routed
+    r.started("b", None, "3")
+    r.finished("a", "9")  # a rejected request: never routed
+    assert r.inflight == {"a": 1, "b": 1}
+    r.finished("a", "1")
+    r.finished("b", "2")
+    assert r.inflight == {"a": 0, "b": 0}
+    r.started("a", None, "4")
+    r.remove("a")  # a dead replica's open requests go with it
+    r.finished("a", "4")
+    r.sync({"a": _meta("a"), "b": _meta("b")})
+    assert r.inflight == {"a": 0, "b": 0}
+
+
 def test_approximate_mode_uses_the_prompt_trees():
     r = ReplicaRouting(mode="approximate", subscribe=FakeSubscriber)
     r.sync({"a": _meta("a"), "b": _meta("b")})
