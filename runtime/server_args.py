@@ -515,8 +515,13 @@ class ServerArgs:
             raise ValueError("--tp-size and --dp-size must be >= 1")
         if self.dp_routing not in DP_ROUTING_POLICIES:
             raise ValueError(f"--dp-routing must be one of {', '.join(DP_ROUTING_POLICIES)}")
-        if self.dist_init_addr is not None and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.dist_init_addr):
-            raise ValueError("--dist-init-addr must be host:port")
+        if self.dist_init_addr is not None:
+            if not re.fullmatch(r"[^\s:]+:\d{1,5}", self.dist_init_addr):
+                raise ValueError("--dist-init-addr must be host:port")
+            port = int(self.dist_init_addr.rsplit(":", 1)[1])
+            span = self.dp_size if self.enable_peer_kv else self.dp_size - 1  # replica i: port + i; peers: + M
+            if port < 1 or port + span > 65535:
+                raise ValueError(f"--dist-init-addr: ports {port}..{port + span} must lie in 1..65535")
         if self.enable_peer_kv:
             if self.dp_size < 2:
                 raise ValueError("--enable-peer-kv needs --dp-size >= 2 (the peer is another data parallel replica)")

@@ -61,11 +61,21 @@ def test_unusable_api_key_is_a_usage_error(monkeypatch, capsys, key):
     (["--kv-events-endpoint", "localhost:5557"], "--kv-events-endpoint must be tcp://host:port"),
     (["--kv-events-replay-endpoint", "tcp://*:5558"], "--kv-events-replay-endpoint needs --kv-events-endpoint"),
     (["--kv-events-endpoint", "tcp://*:5557", "--disable-radix-cache"], "drop --disable-radix-cache"),
+    # the rendezvous port: torch.distributed refused it only after the ranks had loaded the model
+    (["--tp-size", "3", "--dist-init-addr", "127.0.0.1:99999"], "ports 99999..99999 must lie in 1..65535"),
+    (["--tp-size", "3", "--dist-init-addr", "127.0.0.1:0"], "--dist-init-addr: ports 0..0"),
+    (["--dp-size", "2", "--dist-init-addr", "127.0.0.1:65535"], "ports 65535..65536"),
+    (["--dp-size", "2", "--enable-peer-kv", "--dist-init-addr", "h:65534"], "ports 65534..65536"),
 ])
 def test_limit_flags_out_of_range_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         ServerArgs.parse(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_dist_init_addr_may_end_at_the_last_port():
+    assert ServerArgs.parse(["--dp-size", "2", "--dist-init-addr", "127.0.0.1:65534"]).dist_init_addr.endswith("65534")
+    assert ServerArgs.parse(["--tp-size", "3", "--dist-init-addr", "127.0.0.1:65535"]).tp_size == 3
 
 
 def test_num_scheduler_steps_defaults_to_one_step():
