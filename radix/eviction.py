@@ -20,6 +20,9 @@ figures are in BENCHMARKS.md "Eviction policies vs Belady"):
   sequence of its length is used again; see ``ContinuationOdds``.
 * ``reuse-gap``: expected hits per page and second from the time between a
   conversation's turns (``reuse_gap``); see ``ReuseGap``.
+* ``liveness``: ``reuse-gap``'s hit density with the odds that a sequence is used again
+  predicted by a logistic model (new pages, turn, length, conversation age); see
+  ``Liveness``.
 
 Contract a policy must keep (the tree's heap relies on it):
 
@@ -45,6 +48,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -287,6 +291,120 @@ class ReuseGap:
         self.now = self.latest
 
 
+# Fitted on the first half hour of the Mooncake trace (bench/cache/fit_eviction.py, "liveness"):
+# logit P(the sequence is used again within 5 min) = bias + sum(weight x feature), features
+# as ``Liveness.features`` computes them (log2 each).
+LIVENESS_WEIGHTS = (-0.364, 0.907, 0.102, -0.179)  # new pages, turn, prefix pages, conversation age (s)
+LIVENESS_BIAS = -0.201  # does not change the order (every key has it); kept for the probability
+LIVENESS_RECORDS = 1 << 16  # sequence ends remembered (turn, conversation start), oldest forgotten
+
+
+class Liveness(ReuseGap):
+    """``ReuseGap``'s hit density with the odds that the sequence is used again predicted,
+    per cached sequence, by a logistic model of what was known when it was cached.
+
+        key = z - t / mu - log(mu)      lowest first; t = now - last_access (s), mu as ReuseGap
+
+    where z = ``LIVENESS_BIAS + LIVENESS_WEIGHTS . features`` is the predicted log-odds
+    that the sequence is used again (a first turn is no longer a fixed -3: its own z).
+    ``features`` of a node, computed once, when it first becomes an eviction candidate
+    (a new leaf), all log2 and in the tree's pages:
+
+    * new pages: pages past the end of the deepest sequence seen before that this one
+      extends (the conversation's previous turn, cached or already evicted), or all of
+      its pages when it extends none: a short follow-up is more likely to be followed;
+    * turn: 1 + the turn of that earlier sequence (1 when none);
+    * prefix pages: the sequence's whole length;
+    * conversation age: 1 + seconds since that conversation's first turn.
+
+    The sequences seen (new leaves never matched yet) are remembered by their end
+    (``prefix_len``, last page's token ids, as the tree's ghosts) with their turn, their
+    conversation's start and where their new part began, the newest ``LIVENESS_RECORDS``.
+    The earlier sequence is the deepest remembered end inside the node's key, else its
+    parent's, unless the parent is shared (matched more than once: a system prompt, as
+    for ``reuse_gap``); a new leaf under a parent never matched (the server's second
+    insert of a request: prompt, then prompt + output) continues the parent's turn.
+
+    The per-node log-odds is fixed when computed, so the key changes as ``ReuseGap``'s
+    does: with the clock snapshot (``refresh``) and when the node is used. It is kept in
+    a dict keyed by the node (nodes hash by identity), pruned of detached nodes at each
+    refresh. The weights come from ``bench/cache/fit_eviction.py`` (BENCHMARKS.md
+    "Eviction policies vs Belady"); the bias shifts every key alike. One object per
+    tree: ``get_policy`` builds a new one.
+    """
+
+    def __init__(
+        self,
+        weights: Iterable[float] = LIVENESS_WEIGHTS,
+        bias: float = LIVENESS_BIAS,
+        **reuse_gap: float,
+    ) -> None:
+        super().__init__(**{"first_log_odds": 0.0, **reuse_gap})
+        self.weights, self.bias = tuple(weights), bias
+        self._log_odds: dict[Any, float] = {}  # node -> z
+        # (end, last page's ids packed) -> (turn, conversation start, end of the earlier sequence)
+        self._records: OrderedDict[tuple[int, bytes], tuple[int, float, int]] = OrderedDict()
+
+    def log_odds(self, node: Any) -> float:
+        """The node's predicted log-odds (``bias`` for a node never seen as a candidate)."""
+        return self._log_odds.get(node, self.bias)
+
+    def __call__(self, node: NodeStats) -> float:
+        gap = node.reuse_gap
+        mu = self.unknown_s if gap == math.inf else max(self.scale * gap + self.offset_s, 1.0)
+        idle = max(self.now - node.last_access, 0.0)
+        return self.log_odds(node) - idle / mu - math.log(mu)
+
+    def _earlier(self, node: Any, page_bytes: int) -> tuple[int, tuple[int, float, int]] | None:
+        """(end, record) of the deepest remembered sequence this node extends, or None."""
+        packed, start = node.packed, node.prefix_len - node.num_tokens
+        token_bytes = len(packed) // node.num_tokens  # radix.tree.TOKEN_BYTES
+        for end in range(len(packed), 0, -page_bytes):
+            rec = self._records.get((start + end // token_bytes, packed[end - page_bytes : end]))
+            if rec is not None:
+                return start + end // token_bytes, rec
+        parent = node.parent
+        if parent is not None and parent.parent is not None and parent.hit_count <= 1:
+            rec = self._records.get((parent.prefix_len, parent.packed[-page_bytes:]))
+            if rec is not None:
+                return parent.prefix_len, rec
+        return None
+
+    def features(self, node: Any) -> tuple[float, float, float, float]:
+        """Remember the node's sequence and return its features (class docstring)."""
+        now = node.last_access
+        page_tokens, page_bytes = node.num_tokens // node.num_pages, len(node.packed) // node.num_pages
+        found = self._earlier(node, page_bytes)
+        if found is None:
+            turn, start, base = 1, now, node.prefix_len - node.num_tokens
+        else:
+            end, (turn, start, base) = found
+            if end != node.parent.prefix_len or node.parent.hit_count:  # else: same request
+                turn, base = turn + 1, end
+        if node.hit_count == 0:  # a new sequence (not a split-off prefix left childless)
+            key = (node.prefix_len, node.packed[-page_bytes:])
+            self._records[key] = (turn, start, base)
+            self._records.move_to_end(key)
+            if len(self._records) > LIVENESS_RECORDS:
+                self._records.popitem(last=False)
+        return (
+            math.log2(1 + (node.prefix_len - base) // page_tokens),
+            math.log2(turn),
+            math.log2(node.prefix_len // page_tokens),
+            math.log2(1 + max(now - start, 0.0)),
+        )
+
+    def observe_new_candidate(self, node: Any) -> None:
+        super().observe_new_candidate(node)
+        if node not in self._log_odds:
+            f = self.features(node)
+            self._log_odds[node] = self.bias + sum(w * x for w, x in zip(self.weights, f, strict=True))
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._log_odds = {n: z for n, z in self._log_odds.items() if n.parent is not None}
+
+
 EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     "lru": lru,
     "lfu": lfu,
@@ -294,6 +412,7 @@ EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     "importance": importance,
     "continuation-odds": ContinuationOdds,
     "reuse-gap": ReuseGap,
+    "liveness": Liveness,
 }
 
 

@@ -3,7 +3,8 @@ the trace's future) on two traces: ``--trace multiturn`` (default) and ``--trace
 
 **mooncake** (``mooncake_main``): the Mooncake trace in ``radixlm bench cache-sim``'s timed
 model (prefill 20,000 tokens/s, 20 ms decode steps), scored from 1800 s on: ``reuse-gap``
-with and without the tree's ghost records (a real policy), and keys that read the future:
+and ``liveness`` with and without the tree's ghost records (real policies), and keys that
+read the future:
 
 * ``alive``: ``(the sequence is used again, last_access)``: LRU that knows which cached
   sequences have a future, not when; ``alive, E% flipped``: each sequence's answer
@@ -232,7 +233,7 @@ def liveness_auc(trace: list[TraceRequest]) -> tuple[float, dict[str, float]]:
 
 
 def mooncake_main(args: argparse.Namespace) -> None:
-    from radixlm.radix.eviction import ReuseGap
+    from radixlm.radix.eviction import Liveness, ReuseGap
     from radixlm.runtime.bench.cache_model import ServiceModel
     from radixlm.runtime.bench.cache_sim import Workload
     from radixlm.runtime.bench.cache_traces import mooncake
@@ -241,7 +242,13 @@ def mooncake_main(args: argparse.Namespace) -> None:
     work = Workload.build("mooncake", trace, 16, ServiceModel(20000.0, 0.02), warmup_s=1800.0)
     next_use = _next_uses(trace)
     no_ghosts = type("ReuseGapNoGhosts", (ReuseGap,), {"uses_ghosts": False})
-    oracles = {"reuse-gap": None, "reuse-gap without ghosts": no_ghosts}
+    live_no_ghosts = type("LivenessNoGhosts", (Liveness,), {"uses_ghosts": False})
+    oracles = {
+        "reuse-gap": None,
+        "reuse-gap without ghosts": no_ghosts,
+        "liveness": None,
+        "liveness without ghosts": live_no_ghosts,
+    }
     for error in (0.0, 0.1, 0.2, 0.3):
         oracles[f"alive, {error:.0%} flipped"] = alive_oracle(next_use, error)
     for sigma in (0.0, 1.0, 2.0):

@@ -12,7 +12,15 @@ the requests arriving from ``--split-s`` on (the earlier ones warm the cache). G
   log-odds;
 * ``importance``: ``last_access - w_memory log2(prefix_len) + w_reuse log2(1 + hits)``
   (``radix.eviction.importance``'s form, weights in seconds);
-* ``continuation-odds``: its think time tau.
+* ``continuation-odds``: its think time tau;
+* ``liveness`` (``radix.eviction.Liveness``): not a grid but a logistic regression. The
+  first half is replayed once with no eviction (a pool of the whole working set); each new
+  leaf's ``Liveness.features`` is a row, labelled by whether its last block id (which names
+  its whole prefix) is in a later request's matchable prompt within
+  ``LIVENESS_HORIZON_S`` and before ``--split-s``; rows from the last horizon before the
+  split are left out (their future is cut). Gradient descent on the standardised
+  features, weights mapped back to raw features (``LIVENESS_WEIGHTS``, ``LIVENESS_BIAS``).
+  ``ReuseGap``'s constants are kept.
 
 Fitted variants are registered in ``EVICTION_POLICIES`` for this process only. Usage:
 
@@ -22,6 +30,7 @@ Fitted variants are registered in ``EVICTION_POLICIES`` for this process only. U
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -29,17 +38,19 @@ import platform
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from radixlm.radix import EVICTION_POLICIES
-from radixlm.radix.eviction import ContinuationOdds, ReuseGap
+from radixlm.radix.eviction import ContinuationOdds, Liveness, ReuseGap
 from radixlm.runtime.bench.cache_model import ServiceModel
 from radixlm.runtime.bench.cache_sim import Workload, gap_closed, percent
-from radixlm.runtime.bench.cache_traces import MooncakeConfig, mooncake
+from radixlm.runtime.bench.cache_traces import MooncakeConfig, TraceRequest, mooncake
 
 GRIDS: dict[str, dict[str, list[float]]] = {
     "reuse-gap": {
@@ -128,6 +139,94 @@ def fit(work: Workload, fractions: list[float], rounds: int, bar: tqdm) -> dict[
     return out
 
 
+LIVENESS_HORIZON_S = 300.0  # "used again" means within this many seconds
+
+
+class _LivenessRecorder(Liveness):
+    """``Liveness`` that also records each new sequence's (last id, time, features)."""
+
+    rows: list[tuple[int, float, tuple[float, ...]]]
+
+    def features(self, node: Any) -> tuple[float, float, float, float]:
+        f = super().features(node)
+        if node.hit_count == 0:
+            self.rows.append((node.key[-1], node.last_access, f))
+        return f
+
+
+def liveness_rows(trace: list[TraceRequest], work: Workload, start_s: float, end_s: float, horizon_s: float):
+    """Features and labels of the new leaves of ``work`` (replayed without eviction)
+    created from ``start_s`` to ``end_s - horizon_s``: used again within ``horizon_s`` and
+    before ``end_s`` (a request's prompt but its last id holds the leaf's last id)."""
+    import numpy as np
+
+    uses: dict[int, list[float]] = defaultdict(list)
+    for req in trace:
+        if req.arrival_s < end_s:
+            for block in req.prompt[:-1]:
+                uses[block].append(req.arrival_s)
+    rows: list = []
+    EVICTION_POLICIES["liveness-recorder"] = type(
+        "Recorder", (_LivenessRecorder,), {"rows": rows, "__init__": lambda s: Liveness.__init__(s)}
+    )
+    work.replay(work.pt.working_set_pages, "liveness-recorder")
+    del EVICTION_POLICIES["liveness-recorder"]
+    x, y = [], []
+    for last, t, f in rows:
+        if start_s <= t < end_s - horizon_s:
+            later = uses.get(last, [])
+            i = bisect.bisect_right(later, t)
+            x.append(f)
+            y.append(i < len(later) and later[i] - t <= horizon_s)
+    return np.asarray(x, float), np.asarray(y, float)
+
+
+def logistic(x, y, steps: int = 3000, rate: float = 0.5, l2: float = 1e-3) -> tuple[list[float], float]:
+    """Logistic regression by gradient descent on standardised features; returns the
+    weights and bias of the raw features."""
+    import numpy as np
+
+    mu, sd = x.mean(0), x.std(0) + 1e-9
+    z = np.c_[(x - mu) / sd, np.ones(len(x))]
+    w = np.zeros(z.shape[1])
+    for _ in range(steps):
+        p = 1 / (1 + np.exp(-z @ w))
+        w -= rate * (z.T @ (p - y) / len(y) + l2 * np.r_[w[:-1], 0])
+    weights = w[:-1] / sd
+    return [float(v) for v in weights], float(w[-1] - (mu / sd) @ w[:-1])
+
+
+def auc(score, truth) -> float:
+    """Area under the ROC curve (ties in ``score`` broken by order)."""
+    import numpy as np
+
+    ranks = np.empty(len(score))
+    ranks[np.argsort(score, kind="stable")] = np.arange(len(score))
+    pos = truth == 1
+    return float((ranks[pos].mean() - (pos.sum() - 1) / 2) / (len(truth) - pos.sum()))
+
+
+def fit_liveness(trace: list[TraceRequest], train: Workload, whole: Workload, split_s: float) -> dict:
+    """``Liveness``'s logistic weights from the requests before ``split_s`` (``train``,
+    module docstring), and their AUC there and on the sequences of ``whole`` from
+    ``split_s`` on (held out)."""
+    horizon = LIVENESS_HORIZON_S
+    x, y = liveness_rows(trace, train, 0.0, split_s, horizon)
+    weights, bias = logistic(x, y)
+    x_out, y_out = liveness_rows(trace, whole, split_s, trace[-1].arrival_s + 1.0, horizon)
+    return {
+        "weights": weights,
+        "bias": bias,
+        "rows": len(y),
+        "used_again": float(y.mean()),
+        "train_auc": auc(x @ weights, y),
+        "held_out_rows": len(y_out),
+        "held_out_used_again": float(y_out.mean()),
+        "held_out_auc": auc(x_out @ weights, y_out),
+        "horizon_s": horizon,
+    }
+
+
 def report(work: Workload, fractions: list[float], policies: list[str], bar: tqdm) -> list[dict]:
     rows = []
     for f in fractions:
@@ -187,7 +286,19 @@ def main() -> int:
         result = fitted[name]
         EVICTION_POLICIES[f"{name} (fitted)"] = variant(name, result["best"])
         print(f"{name}: best {result['best']} (mean gap closed {result['best_mean_gap_closed']:+.1%})")
-    policies = [*[n for n in EVICTION_POLICIES if "(fitted)" not in n], *[f"{n} (fitted)" for n in GRIDS]]
+    whole = Workload.build("mooncake-all", trace, args.page_size, service)
+    live = fitted["liveness"] = fit_liveness(trace, train, whole, args.split_s)
+    EVICTION_POLICIES["liveness (fitted)"] = type(
+        "LivenessFit", (Liveness,), {"__init__": lambda s: Liveness.__init__(s, live["weights"], live["bias"])}
+    )
+    print(
+        f"liveness: weights {[round(w, 3) for w in live['weights']]}, bias {live['bias']:.3f} "
+        f"({live['rows']} sequences, {live['used_again']:.1%} used again within {live['horizon_s']:g} s, "
+        f"AUC {live['train_auc']:.3f}; held out: {live['held_out_rows']}, {live['held_out_used_again']:.1%}, "
+        f"AUC {live['held_out_auc']:.3f})"
+    )
+    fitted_names = [*GRIDS, "liveness"]
+    policies = [*[n for n in EVICTION_POLICIES if "(fitted)" not in n], *[f"{n} (fitted)" for n in fitted_names]]
     with tqdm(total=len(policies) * len(args.capacities), unit="run", desc="held out") as bar:
         rows = report(held_out, args.capacities, policies, bar)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)

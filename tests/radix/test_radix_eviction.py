@@ -16,11 +16,14 @@ from radixlm.radix.eviction import (
     CONTINUATION_AGE_BINS,
     IMPORTANCE_MEMORY_S,
     IMPORTANCE_REUSE_S,
+    LIVENESS_BIAS,
+    LIVENESS_WEIGHTS,
     REUSE_GAP_FIRST_LOG_ODDS,
     REUSE_GAP_OFFSET_S,
     REUSE_GAP_SCALE,
     REUSE_GAP_UNKNOWN_S,
     ContinuationOdds,
+    Liveness,
     get_policy,
     importance,
     lfu,
@@ -47,7 +50,7 @@ def ticking_clock():
 
 def test_registry_names_and_lookup() -> None:
     assert list(EVICTION_POLICIES) == [
-        "lru", "lfu", "longest", "importance", "continuation-odds", "reuse-gap"
+        "lru", "lfu", "longest", "importance", "continuation-odds", "reuse-gap", "liveness"
     ]
     assert get_policy("lru") is lru and get_policy("lfu") is lfu
     assert get_policy("longest") is longest and get_policy("importance") is importance
@@ -299,6 +302,113 @@ def test_reuse_gap_refresh_is_due_on_the_clock() -> None:
     assert refreshes == [10.0 * k for k in range(1, 15)]  # every 10 s of clock (60 < 64 leaves)
 
 
+class RecordingLiveness(Liveness):
+    """``Liveness`` that keeps each node's features (computed once per node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict = {}
+
+    def features(self, node):
+        self.seen[node] = super().features(node)
+        return self.seen[node]
+
+
+def liveness_tree(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(EVICTION_POLICIES, "liveness-recording", RecordingLiveness)
+    clock = [0.0]
+    tree = RadixTree(1, eviction_policy="liveness-recording", clock=lambda: clock[0])
+
+    def turn(t: float, prompt: list[int]):
+        clock[0] = t
+        tree.match_prefix(prompt[:-1])
+        return tree.insert(prompt, [1000 * t + i for i in range(len(prompt))]).node
+
+    return tree, clock, turn
+
+
+def test_liveness_features_follow_a_conversation_through_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
+    tree, clock, turn = liveness_tree(monkeypatch)
+    seen = tree._policy.seen
+    log2 = math.log2
+    a1 = turn(0, [1, 2, 3])  # a first turn: 3 new pages of 3
+    assert seen[a1] == (log2(1 + 3), 0.0, log2(3), 0.0)
+    a2 = turn(10, [1, 2, 3, 4, 5])  # its second turn: extends a1 (matched once) by 2
+    assert seen[a2] == (log2(1 + 2), log2(2), log2(5), log2(1 + 10))
+    assert tree.evict(100)  # everything goes; the records stay
+    a3 = turn(30, [1, 2, 3, 4, 5, 6])  # one new leaf of 6 pages, but turn 3 with 1 new page
+    assert a3.num_pages == 6 and seen[a3] == (log2(1 + 1), log2(3), log2(6), log2(1 + 30))
+    # the server caches a request twice: its prompt, then prompt + output (the prompt's
+    # leaf never matched in between): the same turn, its new pages counted from the start
+    b1 = turn(40, [7, 8])
+    clock[0] = 45.0
+    b2 = tree.insert([7, 8, 9, 10], [1, 2, 3, 4]).node
+    assert b2.parent is b1 and seen[b2] == (log2(1 + 4), 0.0, log2(4), log2(1 + 5))
+    # a prefix matched by two later sequences is shared (a system prompt), not a turn
+    s = turn(50, [20, 21])
+    c = turn(51, [20, 21, 30])
+    d = turn(52, [20, 21, 31])
+    assert c.parent is s is d.parent and s.hit_count == 2
+    assert seen[c][:2] == (log2(1 + 1), log2(2)) and seen[d][:2] == (log2(1 + 1), 0.0)
+    policy = tree._policy
+    for node in (a3, b2, c, d):
+        z = LIVENESS_BIAS + sum(w * f for w, f in zip(LIVENESS_WEIGHTS, seen[node], strict=True))
+        assert policy.log_odds(node) == pytest.approx(z)
+    tree.check_invariants()
+
+
+def test_liveness_evicts_the_less_likely_to_return_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two conversations with the same pace (second turn 10 s after the first): P adds a
+    # 2-page follow-up at t=10, Q a 32-page one at t=11. reuse-gap evicts P first (used
+    # earlier, same gap); liveness predicts Q's long follow-up less likely to be followed
+    # (new pages weigh -0.364 per doubling) and evicts Q first.
+    def build(policy: str) -> tuple[RadixTree, list[float]]:
+        clock = [0.0]
+        tree = RadixTree(1, eviction_policy=policy, clock=lambda: clock[0])
+        for t, prompt in ((0, [1, 2]), (1, [5, 6]), (10, [1, 2, 3, 4]), (11, [5, 6, *range(100, 132)])):
+            clock[0] = t
+            tree.match_prefix(prompt[:-1])
+            tree.insert(prompt, [1000 * t + i for i in range(len(prompt))])
+        return tree, clock
+
+    tree, _ = build("reuse-gap")
+    assert tree.evict(1) == [10002, 10003]  # P's follow-up
+    tree, clock = build("liveness")
+    assert tree.evict(1) == [11000 + i for i in range(2, 34)]  # Q's follow-up
+    # the key: z - idle / mu - log(mu), mu = REUSE_GAP_SCALE x 10 s + REUSE_GAP_OFFSET_S
+    tree, clock = build("liveness")
+    clock[0] = 200.0
+    tree.inc_lock(tree.insert([9], [9]).node)  # a new leaf 189 s later: the snapshot moves
+    policy, mu = tree._policy, REUSE_GAP_SCALE * 10 + REUSE_GAP_OFFSET_S
+    assert policy.now == 200.0
+    by_page = {n.pages[-1]: n for n in tree._iter_nodes() if tree._is_candidate(n)}
+    p2, q2 = by_page[10003], by_page[11033]
+    log2 = math.log2
+
+    def z(features: tuple[float, ...]) -> float:
+        return LIVENESS_BIAS + sum(w * f for w, f in zip(LIVENESS_WEIGHTS, features, strict=True))
+
+    z_p = z((log2(1 + 2), 1.0, log2(4), log2(1 + 10)))
+    z_q = z((log2(1 + 32), 1.0, log2(34), log2(1 + 10)))
+    assert policy.log_odds(p2) == pytest.approx(z_p) and policy.log_odds(q2) == pytest.approx(z_q)
+    assert z_p > z_q
+    assert policy(p2) == pytest.approx(z_p - 190 / mu - math.log(mu))  # idle 190 s
+    assert policy(q2) == pytest.approx(z_q - 189 / mu - math.log(mu))
+    assert tree.evict(1) == [11000 + i for i in range(2, 34)]
+
+
+def test_liveness_forgets_detached_nodes_at_refresh() -> None:
+    clock = [0.0]
+    tree = RadixTree(1, eviction_policy="liveness", clock=lambda: clock[0])
+    for token in range(100):
+        clock[0] = float(token)
+        tree.insert([token], [token])
+    tree.evict(100)
+    clock[0] = 200.0
+    tree.insert([500], [500])  # 100 s later: a refresh forgets the evicted leaves
+    assert list(tree._policy._log_odds) == [tree.match_prefix([500]).node]
+
+
 # ------------------------------------------------------- heap vs brute force
 tokens = st.lists(st.integers(0, 2), max_size=8)
 operations = st.lists(
@@ -318,13 +428,15 @@ def evict_one_checked(tree: RadixTree, key) -> bool:
     """evict(1) must take a leaf whose key is the lowest of all candidate leaves, found
     by sorting every candidate (the model). Returns False when nothing was evictable."""
     candidates = [n for n in tree._iter_nodes() if tree._is_candidate(n)]
+    # keys as the heap sees them now: the evict may refresh a learned policy's clock
+    # snapshot (the victim's parent becomes a new candidate), which reorders later keys
+    keys = {tuple(n.pages): key(n) for n in candidates}
     freed = tree.evict(1)
     if not candidates:
         assert freed == []
         return False
-    by_pages = {tuple(n.pages): n for n in candidates}
-    assert tuple(freed) in by_pages, "evicted something that was not a candidate leaf"
-    assert key(by_pages[tuple(freed)]) == min(key(n) for n in candidates)
+    assert tuple(freed) in keys, "evicted something that was not a candidate leaf"
+    assert keys[tuple(freed)] == min(keys.values())
     return True
 
 

@@ -121,7 +121,7 @@ def test_insert_empty_and_bad_arguments() -> None:
     assert tree.cached_pages == 0
     with pytest.raises(ValueError):
         RadixTree(0)
-    with pytest.raises(ValueError, match="importance, lfu, longest, lru"):
+    with pytest.raises(ValueError, match="importance, lfu, liveness, longest, lru"):
         RadixTree(1, eviction_policy="nope")
 
 
