@@ -37,7 +37,8 @@ Contract a policy must keep (the tree's heap relies on it):
   it may use ``prefix_len`` either way. The tree keeps a lazy min-heap: an entry whose
   key went stale is noticed when it reaches the top, re-keyed and pushed back. A key
   that *shrinks* behind the tree's back is only noticed when it reaches the top, so
-  that node would be evicted later than its true key says.
+  that node would be evicted later than its true key says; a policy whose key a match
+  may lower says ``rekey_on_match`` and the tree pushes the matched leaf again.
 * A learned policy's keys may change only inside ``refresh`` (its model snapshot),
   after which the heap re-keys every entry; between refreshes both rules above hold.
   (``reuse_gap`` changes only with a match, which also touches ``last_access``.)
@@ -254,11 +255,13 @@ class ReuseGap:
     its own rate 1 / mu), so keys use a snapshot of the clock, ``now``: the newest
     ``last_access`` seen, taken at most ``REUSE_GAP_REFRESH_S`` seconds of clock apart
     (``refresh_due``), when ``CandidateHeap`` re-keys all its entries. Between refreshes the
-    key is pure and grows with ``last_access`` (``reuse_gap`` changes only with a match,
-    which touches the node too). One object per tree: ``get_policy`` builds a new one.
+    key is pure and grows with ``last_access``; a match may also lower it (a longer
+    ``reuse_gap`` lowers the hit density), so the tree pushes a matched candidate leaf
+    again (``rekey_on_match``). One object per tree: ``get_policy`` builds a new one.
     """
 
     uses_ghosts = True  # the tree remembers removed prefixes' last uses (tree "Ghosts")
+    rekey_on_match = True  # a match can lower a candidate's key: the tree pushes it again
 
     def __init__(
         self,

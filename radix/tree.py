@@ -276,6 +276,7 @@ class RadixTree:
     def _init_state(self) -> None:
         self._root = TreeNode()
         self._heap = CandidateHeap(self._policy)  # unlocked leaves, lazily invalidated
+        self._rekey_on_match = getattr(self._policy, "rekey_on_match", False)
         self._num_nodes = 0  # excluding the root
         self._cached = 0  # pages held by all nodes
         self._protected = 0  # device pages held by nodes with lock_ref > 0
@@ -326,6 +327,8 @@ class RadixTree:
         key = key[: len(key) // self._page_bytes * self._page_bytes]  # whole pages only
         now = self._clock()
         node, num_tokens, pages = self._walk(key, now, hit=True)
+        if self._rekey_on_match:  # its key may have fallen: the heap entry must follow
+            self._push_if_candidate(node)
         if not self.tiers:
             return MatchResult(pages=pages, num_tokens=num_tokens, node=node)
         tail = []

@@ -302,6 +302,28 @@ def test_reuse_gap_refresh_is_due_on_the_clock() -> None:
     assert refreshes == [10.0 * k for k in range(1, 15)]  # every 10 s of clock (60 < 64 leaves)
 
 
+def test_reuse_gap_rekeys_a_leaf_whose_match_lowered_its_key() -> None:
+    """A match of an unlocked leaf lengthens its reuse gap, which lowers its key (the
+    snapshot has not moved): eviction must still take the lowest key (hypothesis found
+    page 3 evicted while page 4's key was lower)."""
+    ticks = itertools.count()
+    tree = RadixTree(1, "reuse-gap", clock=lambda: float(next(ticks)))
+    pages = itertools.count(1)
+
+    def insert_after_match(key: tuple[int, ...]) -> None:
+        shared = tree.match_prefix(key).pages
+        tree.insert(key, shared + [next(pages) for _ in range(len(key) - len(shared))])
+
+    insert_after_match((0,))
+    tree.evict(1)
+    for key in ((0, 0), (0, 1), ()):
+        insert_after_match(key)
+    tree.match_prefix([0, 1])
+    leaves = {n.pages[0]: tree._policy(n) for n in tree._iter_nodes() if n.is_leaf and n.lock_ref == 0}
+    assert tree._policy.now == 0.0 and len(leaves) == 2
+    assert tree.evict(1) == [min(leaves, key=leaves.get)]
+
+
 class RecordingLiveness(Liveness):
     """``Liveness`` that keeps each node's features (computed once per node)."""
 
