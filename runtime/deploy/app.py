@@ -151,7 +151,8 @@ def build_app(args: dict[str, Any] | DeployConfig | None = None) -> Any:
         graceful_shutdown_timeout_s=15, request_router_config=router, **scaling)
     ingress = serve.deployment(RadixLMIngress).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(server.bind(list(config.server_args), config.routing_mode == "precise"), SERVER_DEPLOYMENT)
+    return ingress.bind(server.bind(list(config.server_args), config.routing_mode == "precise"), SERVER_DEPLOYMENT,
+                        parse_server_args(list(config.server_args)).api_key)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -26,6 +26,7 @@ tries did not reach a live server).
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import statistics
 import tempfile
@@ -145,9 +146,11 @@ class RadixLMIngress:
     """The ingress deployment (module docstring). ``server``: the handle of the
     ``RadixLMServer`` deployment; ``server_deployment``: its name (the router's key)."""
 
-    def __init__(self, server: DeploymentHandle, server_deployment: str = "RadixLMServer") -> None:
+    def __init__(self, server: DeploymentHandle, server_deployment: str = "RadixLMServer",
+                 api_key: str | None = None) -> None:
         self.server = server
         self.server_deployment = server_deployment
+        self.api_key = api_key  # the servers' --api-key: the routes answered here check it too
         self.tokenizer: Any = None
         self._tokenizer_lock = asyncio.Lock()
         self.tokenize_seconds: deque[float] = deque(maxlen=100_000)  # prompt_ids per prompt
@@ -297,7 +300,11 @@ class RadixLMIngress:
         return Response(text, media_type=dict(answers[0].headers).get("content-type", "text/plain"))
 
     @app.get("/radixlm/replicas")
-    async def replicas(self) -> JSONResponse:
+    async def replicas(self, request: Request) -> JSONResponse:
+        given = request.headers.get("authorization", "")
+        if self.api_key is not None and not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            return JSONResponse({"error": {"message": "invalid or missing API key", "type": "authentication_error",
+                                           "param": None, "code": 401}}, status_code=401)
         described = await self._each("describe", ProxyRequest("GET", "/"))
         router = live_routers().get(self.server_deployment)
         decisions = list(router.decision_seconds) if router is not None else []

@@ -141,7 +141,7 @@ class _Sampling(BaseModel):
 
 
 class NativeSamplingParams(_Sampling):
-    max_new_tokens: int = Field(128, ge=0)
+    max_new_tokens: int = Field(128, ge=0, le=INT64_MAX)
     min_new_tokens: int = Field(0, ge=0, le=INT64_MAX)
     n: int = Field(1, ge=1, le=128)
     # Sent by SGLang's frontend on every gen. Accepted for compatibility; it has no effect:
@@ -166,7 +166,7 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool = False
-    logprob_start_len: int = Field(-1, ge=-1)
+    logprob_start_len: int = Field(-1, ge=-1, le=INT64_MAX)
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     # SGLang's field: run on this data parallel replica (0 .. --dp-size - 1) instead of the router's pick
@@ -247,7 +247,7 @@ class CompletionRequest(_OpenAIBase):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False  # before max_tokens: its validator reads it
-    max_tokens: int = Field(16, ge=0)
+    max_tokens: int = Field(16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
     suffix: str | None = None
@@ -433,8 +433,8 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True

@@ -448,6 +448,8 @@ def _typed_cases() -> list[tuple[str, str, dict, str]]:
             ("model-missing", {k: v for k, v in chat.items() if k != "model"}, "model"),
             ("seed-huge", {**chat, "seed": big}, "seed"),
             ("top_k-huge", {**chat, "top_k": 2**63}, "top_k"),
+            ("max_tokens-huge", {**chat, "max_tokens": big}, "max_tokens"),
+            ("max_completion_tokens-huge", {**chat, "max_completion_tokens": big}, "max_completion_tokens"),
         ]:
             cases.append(("/v1/chat/completions", f"{label}-{stream}", {**body, "stream": stream}, param))
         for label, body, param in [
@@ -466,6 +468,7 @@ def _typed_cases() -> list[tuple[str, str, dict, str]]:
             ("top_k-huge", {**comp, "top_k": 2**63}, "top_k"),
             ("stop_token_ids-huge", {**comp, "stop_token_ids": [big]}, "stop_token_ids.0"),
             ("n2-seed-huge", {**comp, "n": 2, "seed": big - 1}, "seed"),
+            ("max_tokens-huge", {**comp, "max_tokens": big}, "max_tokens"),
         ]:
             cases.append(("/v1/completions", f"{label}-{stream}", {**body, "stream": stream}, param))
         sp = gen["sampling_params"]
@@ -489,6 +492,9 @@ def _typed_cases() -> list[tuple[str, str, dict, str]]:
             ("stop_token_ids-huge", {**gen, "sampling_params": {**sp, "stop_token_ids": [big]}},
              "sampling_params.stop_token_ids.0"),
             ("logprob_start_len-neg", {**gen, "logprob_start_len": -2}, "logprob_start_len"),
+            ("logprob_start_len-huge", {**gen, "logprob_start_len": big}, "logprob_start_len"),
+            ("max_new_tokens-huge", {**gen, "sampling_params": {**sp, "max_new_tokens": big}},
+             "sampling_params.max_new_tokens"),
         ]:
             cases.append(("/generate", f"{label}-{stream}", {**body, "stream": stream}, param))
     return cases

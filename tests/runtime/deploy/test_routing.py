@@ -229,3 +229,32 @@ def test_serve_ray_refuses_bad_flags_before_starting_ray(capsys):
     with pytest.raises(SystemExit):
         cli_main(["--help"])
     assert "serve-ray" in capsys.readouterr().out
+
+
+def test_the_replicas_route_checks_the_servers_api_key():
+    """GET /radixlm/replicas is answered by the ingress itself (not a server), so it checks
+    the servers' --api-key as their routes do."""
+    import asyncio
+    from collections import deque
+
+    from starlette.requests import Request
+
+    from radixlm.runtime.deploy.ingress import RadixLMIngress
+
+    ingress = object.__new__(RadixLMIngress)  # no Ray: the route's own logic
+    ingress.api_key, ingress.server_deployment, ingress.tokenizer = "k3y", "none", None
+    ingress.retried, ingress.tokenize_seconds = 0, deque()
+
+    async def no_replicas(method, req):
+        return []
+
+    ingress._each = no_replicas
+
+    def status(header: bytes | None) -> int:
+        headers = [(b"authorization", header)] if header is not None else []
+        request = Request({"type": "http", "method": "GET", "path": "/radixlm/replicas", "headers": headers})
+        return asyncio.run(RadixLMIngress.replicas(ingress, request)).status_code
+
+    assert [status(None), status(b"Bearer nope"), status(b"Bearer k3y")] == [401, 401, 200]
+    ingress.api_key = None
+    assert status(None) == 200
