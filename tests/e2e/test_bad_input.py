@@ -607,7 +607,7 @@ def test_deep_nesting_and_huge_integers_are_400_with_the_fields_message(server, 
     """JSON schemas nested near Python's recursion limit (json.dumps raised RecursionError:
     a 500), a stop regex of thousands of nested groups, infinite or NaN sampling floats
     (an infinite temperature was served), and integers beyond 64 bits, which the body
-    parser must read as integers (orjson makes them floats), and chat tools nested as deep
+    parser must read as integers (orjson makes them floats; max_new_tokens too), and chat tools nested as deep
     (their 400 named ``messages``): each a 400 naming its field, with pydantic's range message."""
     pid = _scheduler_pid(server)
     deep = b'{"a":' * 1000 + b"1" + b"}" * 1000
@@ -637,16 +637,18 @@ def test_deep_nesting_and_huge_integers_are_400_with_the_fields_message(server, 
          "greater than or equal to -9223372036854775808"),
         ("/v1/completions", b'{"model":' + model + b',"prompt":[18446744073709551616],"max_tokens":2}', "prompt",
          "token ids"),
+        ("/generate", b'{"text":"hi","sampling_params":{"max_new_tokens":18446744073709551616}}',
+         "sampling_params.max_new_tokens", "less than or equal to 9223372036854775807"),
     ]
     with server.client(timeout=60) as c:
         for path, body, param, says in cases:
             for stream in (False, True):
                 data = body[:-1] + (b',"stream":true}' if stream else b"}")
                 _assert_400(c.post(path, content=data, headers=JSON), says, param=param)
-        # max_new_tokens beyond 64 bits is accepted (clamped to the context, as any too-large
-        # value): the stream starts; closing it after the first event aborts the request.
+        # within int64, a max_new_tokens larger than the context is clamped to it: the stream
+        # starts; closing it after the first event aborts the request.
         with c.stream("POST", "/generate", headers=JSON, content=b'{"text":"hi","stream":true,'
-                      b'"sampling_params":{"max_new_tokens":18446744073709551616}}') as r:
+                      b'"sampling_params":{"max_new_tokens":9223372036854775807}}') as r:
             assert r.status_code == 200
             assert next(line for line in r.iter_lines() if line.startswith("data: {"))
     _assert_healthy(server, pid)
