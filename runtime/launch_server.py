@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -37,8 +38,8 @@ import uvicorn
 import zmq
 
 from radixlm.runtime import messages as m
-from radixlm.runtime.executor.model_loader import default_gguf_path
-from radixlm.runtime.executor.parallel import PeerPlacement, RankPlacement
+from radixlm.runtime.executor.model_loader import default_gguf_path, resolve_model_path
+from radixlm.runtime.executor.parallel import PeerPlacement, RankPlacement, TPShard
 from radixlm.runtime.ipc import MsgSocket, new_ipc_address
 from radixlm.runtime.scheduler.scheduler import freeze_startup_objects, run_scheduler_process
 from radixlm.runtime.scheduler.tensor_parallel import run_tp_worker_process
@@ -242,9 +243,41 @@ def _has_uvloop() -> bool:
     return True
 
 
+def tp_shape_problem(args: ServerArgs) -> str | None:
+    """What of the model's config.json ``--tp-size`` does not split (the attention heads,
+    the KV heads, the MLP width), checked before any model process starts (each rank
+    would find it only after spawning and loading); None if it splits, or if the model
+    path cannot be read here (the scheduler then reports it as before)."""
+    if args.tp_size == 1:
+        return None
+    try:
+        model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config") or cfg  # multimodal checkpoints keep the decoder's shape there
+    shard = TPShard(0, args.tp_size)
+    try:
+        heads = cfg["num_attention_heads"]
+        shard.q_heads(heads)
+        shard.kv_heads(heads, cfg.get("num_key_value_heads") or heads)
+        if cfg.get("intermediate_size"):
+            shard.split(cfg["intermediate_size"], "the MLP width")
+    except KeyError:
+        return None
+    except ValueError as exc:
+        return f"--tp-size {args.tp_size}: {exc} of {model_dir}"
+    return None
+
+
 def launch_server(args: ServerArgs) -> int:
-    """Run the server until it is stopped; returns the process exit status."""
+    """Run the server until it is stopped; returns the process exit status (2 for a
+    ``--tp-size`` the model cannot be split by, ``tp_shape_problem``)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    problem = tp_shape_problem(args)
+    if problem is not None:
+        print(f"launch_server: error: {problem}", file=sys.stderr)
+        return 2
     if _has_uvloop():
         import uvloop
 
