@@ -298,10 +298,11 @@ class ServerArgs:
         HICACHE_WRITE_POLICIES)
     hicache_write_threshold: int = _opt(2, "Hits before write_through_selective copies a page down.")
     hicache_load_policy: str = _opt(
-        "cost_model", "Which lower-tier hits are loaded: those the load-vs-recompute cost model "
-        "finds faster to load than to recompute, with the tier bandwidths measured at start-up "
-        "(cost_model), or every one (always: a disk prefetch then waits up to "
-        "--hicache-prefetch-timeout-s, not just the recompute time).", HICACHE_LOAD_POLICIES)
+        "cost_model", "Which hits in the host, disk and peer (--enable-peer-kv) tiers are loaded: "
+        "those the load-vs-recompute cost model finds faster to load than to recompute, with the "
+        "tier bandwidths measured at start-up (cost_model), or every one (always: a disk prefetch "
+        "then waits up to --hicache-prefetch-timeout-s, not just the recompute time).",
+        HICACHE_LOAD_POLICIES)
     hicache_prefetch_timeout_s: float = _opt(
         5.0, "Longest a waiting request waits for its disk pages before it is admitted and "
         "recomputes the rest (it also never waits longer than recomputing them would take).")

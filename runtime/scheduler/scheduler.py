@@ -127,7 +127,8 @@ class Scheduler:
         time (s), added to the tiers' cost model under ``peer``."""
         costs = self.hicache.costs if self.hicache is not None else self.runner.tier_costs()
         costs = dataclasses.replace(costs, read_bytes_per_s={**costs.read_bytes_per_s, "peer": rate},
-                                    latency_s={**costs.latency_s, "peer": latency})
+                                    latency_s={**costs.latency_s, "peer": latency},
+                                    always_load=self.args.hicache_load_policy == "always")
         if self.hicache is not None:
             self.hicache.costs = costs
             self.hicache.info["read_bytes_per_s"] = costs.read_bytes_per_s

@@ -54,7 +54,8 @@ def _served_tokens(url: str) -> list[int]:
 def dp2_server(server_factory, tiny_model_dir, smollm2_dir) -> Iterator:
     with server_factory(model_path=tiny_model_dir("llama"), tokenizer_path=smollm2_dir, dp_size=2,
                         dtype="float32", max_total_tokens=4096, max_running_requests=4, enable_peer_kv=True,
-                        peer_kv_timeout_s=3, peer_kv_min_wait_s=3) as srv:
+                        peer_kv_timeout_s=3, peer_kv_min_wait_s=3,
+                        hicache_load_policy="always") as srv:  # not the start-up rates of a busy box
         yield srv
 
 
