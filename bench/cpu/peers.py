@@ -82,10 +82,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import importlib.util
 import json
 import os
-import platform
 import random
 import re
 import shlex
@@ -98,10 +96,12 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cpu  # noqa: E402  (the commit / CPU records and the replay example, shared with make bench)
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (this file is bench/cpu/peers.py)
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -330,16 +330,6 @@ def _wait_ready(server: Any, path: str, timeout: float, log_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- workloads
-def _load_example() -> ModuleType:
-    """examples/ is not a package: load the replay module (its conversation filter) from its file."""
-    path = ROOT / "examples" / "sharegpt_multiturn.py"
-    spec = importlib.util.spec_from_file_location("sharegpt_multiturn", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def _record(cid: str, users: list[str], replies: list[str]) -> dict[str, Any]:
     turns = [{"from": who, "value": text} for pair in zip(users, replies, strict=True)
              for who, text in zip(("human", "gpt"), pair, strict=True)]
@@ -377,7 +367,7 @@ def fixed_length_prompts(tokenizer: Any, count: int, length: int, seed: int) -> 
 def three_turn_chats(tokenizer: Any, count: int, turns: int, seed: int) -> list[list[str]]:
     """``count`` ShareGPT conversations of exactly ``turns`` user turns, chosen by the
     ``make run`` replay's filter (examples/sharegpt_multiturn.py)."""
-    replay = _load_example()
+    replay = bench_cpu.replay
     cfg = replay.ReplayConfig(num_conversations=8 * count, max_turns=turns, seed=seed)
     chosen = [c.user_turns for c in replay.select_conversations(tokenizer, cfg)
               if len(c.user_turns) == turns][:count]
@@ -661,22 +651,6 @@ def _fmt_load(load: list[float] | None) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-def _git_commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     from radixlm.runtime.executor.model_loader import usable_cores
 
@@ -770,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     data = write_datasets(paths, sizes, args.seed)
     results: dict[str, Any] = {
         "env": {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                "commit": _git_commit(), "cpu": _cpu_model(), "nproc": os.cpu_count(),
+                "commit": bench_cpu._git_commit(), "cpu": bench_cpu._cpu_model(), "nproc": os.cpu_count(),
                 "loadavg_start": list(os.getloadavg())},
         "sizes": asdict(sizes), "threads": args.threads, "rounds_asked": args.rounds,
         "max_load": args.max_load, "load_wait_s": args.load_wait, "argv": sys.argv[1:],
