@@ -115,11 +115,12 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.launch import launch
+from radixlm.kernels.launch import jit_unspecialised, launch
 from radixlm.kernels.reference import Sink, channel_major
 
 __all__ = ["FP8_DECODE_CONFIG", "FP8_LARGE_BATCH_DECODE_CONFIG", "TIERED_DECODE_CONFIG", "DecodeConfig",
-           "DecodeWorkspace", "TieredPages", "decode_attention", "decode_num_splits", "default_decode_config"]
+           "DecodeWorkspace", "TieredPages", "decode_attention", "decode_num_splits", "default_decode_config",
+           "merge_variants", "warm_up_decode_path"]
 
 LOG2E = 1.4426950408889634
 
@@ -432,7 +433,10 @@ def _sink_start(q, m_i, l_i, acc, SinkK, SinkV, SinkSlots, b, kv_head, num_kv_he
     return m_i, l_i, acc, lo
 
 
-@triton.jit
+# The split count and the page-table width vary from step to step on the eager path (mixed
+# steps): unspecialised (kernels/launch.py), each is one binary that warm_up_decode_path compiles at start-up,
+# instead of a JIT of seconds in the middle of serving when a new value is 1 or a multiple of 16.
+@jit_unspecialised("num_splits", "stride_ptb")
 def _decode_split_kernel(
     Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale, VMean,
     SinkK, SinkV, SinkSlots,
@@ -539,7 +543,7 @@ def _decode_split_kernel(
         tl.store(PartLse + row, lse, mask=head_mask)
 
 
-@triton.jit
+@jit_unspecialised("num_splits", "stride_ptb")
 def _decode_tiered_kernel(
     Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale, VMean,
     FSlot, KCodes, KStat, VCodes, VStat,
@@ -637,7 +641,7 @@ def _decode_tiered_kernel(
         tl.store(PartLse + row, lse, mask=head_mask)
 
 
-@triton.jit
+@jit_unspecialised("num_splits")
 def _decode_merge_kernel(
     PartOut, PartLse, Out, VMean, num_splits, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr, CENTER: tl.constexpr,
@@ -679,6 +683,44 @@ def decode_num_splits(
     wanted = config.programs_per_sm * num_sms // max(batch * num_kv_heads, 1)
     most = math.ceil(max_seq_len / max(config.min_split_keys, config.block_n))
     return max(1, min(wanted, most, 256))
+
+
+def _merge_warps(head_dim: int, num_splits: int) -> int:
+    return 4 if head_dim * num_splits >= 4096 else 2
+
+
+def merge_variants(most: int, head_dim: int) -> list[int]:
+    """The smallest split count N of each merge-kernel binary among N = 2 .. ``most``: one
+    binary per (next_power_of_2(N), warps), ``num_splits`` itself being unspecialised.
+    Example: ``merge_variants(40, 128)`` is [2, 3, 5, 9, 17, 32, 33] (N 32 is where 4 warps
+    start, N 33 where BLOCK_S becomes 64)."""
+    seen: dict[tuple[int, int], int] = {}
+    for n in range(2, most + 1):
+        seen.setdefault((triton.next_power_of_2(n), _merge_warps(head_dim, n)), n)
+    return sorted(seen.values())
+
+
+def warm_up_decode_path(k_pool: torch.Tensor, num_heads: int, q_dtype: torch.dtype, max_seq_len: int) -> list[int]:
+    """Compile the eager decode path of a float pool ([P, S, K, D], the model's dtype)
+    before serving. A mixed step (decodes beside prefill chunks, ``TritonAttentionBackend``)
+    runs ``decode_attention`` eagerly with the split count ``decode_num_splits`` gives its
+    decodes, anywhere from 1 to its batch-1 value: without this, the first step with a new
+    merge binary pays Triton's JIT (seconds) in the ITL of every running request.
+
+    Runs one decode of one key over page 0 (results discarded; no pool slot written) with
+    N = 1 (the direct kernel) and each N of ``merge_variants`` up to the batch-1 split count
+    for ``max_seq_len`` keys. Returns the split counts run.
+    """
+    device = k_pool.device
+    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+    most = decode_num_splits(1, num_kv_heads, max_seq_len, device)
+    splits = [1, *merge_variants(most, head_dim)]
+    q = torch.zeros(1, num_heads, head_dim, dtype=q_dtype, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    for n in splits:
+        decode_attention(q, k_pool, k_pool, table, seq_lens, head_dim**-0.5, num_splits=n)
+    return splits
 
 
 def _f16_dot(q_dtype: torch.dtype, k_scale: torch.Tensor | None, fp8_compute: str) -> bool:
@@ -937,6 +979,6 @@ def _launch(
             part_out, part_lse, out, scales[2], num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
             GROUP=group, CENTER=v_mean is not None,
-            num_warps=4 if head_dim * num_splits >= 4096 else 2,
+            num_warps=_merge_warps(head_dim, num_splits),
         )  # fmt: skip
     return split, merge

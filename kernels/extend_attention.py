@@ -133,6 +133,7 @@ from radixlm.kernels.decode_attention import (
     _dot_precision,
     _f16_dot,
     _fp16_operand,
+    _merge_warps,
     _num_sms,
     _sink_start,
     _tiered_kv,
@@ -143,7 +144,7 @@ from radixlm.kernels.decode_attention import (
     _tiled_step,
     _value_group,
 )
-from radixlm.kernels.launch import launch
+from radixlm.kernels.launch import jit_unspecialised, launch
 from radixlm.kernels.reference import Sink, channel_major
 
 __all__ = [
@@ -153,6 +154,7 @@ __all__ = [
     "default_split_config",
     "extend_attention",
     "extend_num_splits",
+    "warm_up_extend_path",
     "warm_up_split_path",
 ]
 
@@ -385,7 +387,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# The page-table width varies per step, and a mixed step passes the extend rows' slices of the
+# page table and prefix lengths (their alignment varies): unspecialised, one binary per config
+# (warm_up_extend_path).
+@jit_unspecialised("stride_ptb", "PageTable", "PrefixLens")
 def _extend_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale, SinkK, SinkV, SinkSlots,
     qk_scale_log2,
@@ -570,7 +575,7 @@ def _tiered_key_loop(
     return acc_lo, acc_hi, m_i, l_i
 
 
-@triton.jit
+@jit_unspecialised("stride_ptb", "PageTable", "PrefixLens")
 def _extend_tiered_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale,
     FSlot, KCodes, KStat, VCodes, VStat,
@@ -639,8 +644,8 @@ def _extend_tiered_kernel(
     tl.store(o_ptr + 1, (acc_hi * inv_l[:, None]).to(Out.dtype.element_ty), mask=row_mask[:, None])
 
 
-# One binary for every N and page-table width (warm_up_split_path compiles it once).
-@triton.jit(do_not_specialize=["num_splits", "stride_ptb"])
+# One binary for every N, page-table width and batch slice (warm_up_split_path compiles it once).
+@jit_unspecialised("num_splits", "stride_ptb", "PageTable", "PrefixLens")
 def _extend_split_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, PartOut, PartLse, KScale, VScale,
     SinkK, SinkV, SinkSlots,
@@ -940,7 +945,7 @@ def _launch_split(
     merge = launch(_decode_merge_kernel, (num_tokens, num_heads),
         part_out, part_lse, out, part_lse, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), GROUP=1, CENTER=False,
-        num_warps=4 if head_dim * num_splits >= 4096 else 2,
+        num_warps=_merge_warps(head_dim, num_splits),
     )  # fmt: skip
     return split, merge
 
@@ -953,6 +958,7 @@ def warm_up_split_path(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sink_k: torch.Tensor | None = None,
+    v_pool: torch.Tensor | None = None,
 ) -> list[int]:
     """Compile the split-KV path for one layer's pool ([P, S, K, D]) before serving, so the
     first cached-prefix request does not pay Triton's JIT (seconds per binary) in its TTFT.
@@ -965,11 +971,46 @@ def warm_up_split_path(
     scale rows ``k_scale[layer]`` of a [L, K] tensor with K not a multiple of 4 alternate
     in alignment, so such a pool may still compile one more split binary on first use.
     ``sink_k`` [C, K, D]: the pool keeps an exact sink (compiles that variant; slot -1).
+    ``v_pool``: the layer's V pool (default ``k_pool``; pass it where V's layout differs,
+    e.g. channel-major FP8 V).
     """
-    device = k_pool.device
-    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
-    most = extend_num_splits(1, num_heads, num_kv_heads, 1, max_seq_len, device)
+    num_kv_heads = k_pool.shape[2]
+    most = extend_num_splits(1, num_heads, num_kv_heads, 1, max_seq_len, k_pool.device)
     splits = [1 << i for i in range(1, most.bit_length())]
+    for n in splits:
+        _one_token_extend(k_pool, v_pool, num_heads, q_dtype, k_scale, v_scale, sink_k, num_splits=n)
+    return splits
+
+
+def warm_up_extend_path(
+    k_pool: torch.Tensor,
+    num_heads: int,
+    q_dtype: torch.dtype,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sink_k: torch.Tensor | None = None,
+    v_pool: torch.Tensor | None = None,
+) -> list[ExtendConfig]:
+    """Compile the long-extend kernel (``num_splits`` 1) for each config
+    ``default_extend_config`` picks on this device (on Hopper: ``HOPPER_PREFILL_CONFIG``
+    for prefills, ``HOPPER_EXTEND_CONFIG`` for extends over a cached prefix), so the first
+    step of each kind, e.g. the first cached-prefix hit after a run of plain prefills, does
+    not pay Triton's JIT while other requests wait. One token over page 0, results
+    discarded, no pool slot written. Returns the configs compiled. Arguments as
+    ``warm_up_split_path``."""
+    device = k_pool.device
+    configs = list(dict.fromkeys((default_extend_config(device, 1, 1), default_extend_config(device, 128, 256))))
+    for config in configs:
+        _one_token_extend(k_pool, v_pool, num_heads, q_dtype, k_scale, v_scale, sink_k, num_splits=1, config=config)
+    return configs
+
+
+def _one_token_extend(k_pool: torch.Tensor, v_pool: torch.Tensor | None, num_heads: int, q_dtype: torch.dtype,
+                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, sink_k: torch.Tensor | None,
+                      **kwargs) -> None:
+    """One extend of one token over page 0 (the warm-ups' launch; output discarded, no
+    pool slot written); ``kwargs`` go to ``extend_attention``."""
+    device, head_dim = k_pool.device, k_pool.shape[3]
     q = torch.zeros(1, num_heads, head_dim, dtype=q_dtype, device=device)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
     cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
@@ -977,7 +1018,5 @@ def warm_up_split_path(
     sink = None
     if sink_k is not None:
         sink = Sink(sink_k, sink_k, torch.full((1,), -1, dtype=torch.int32, device=device))
-    for n in splits:
-        extend_attention(q, k_pool, k_pool, table, cu, prefix, head_dim**-0.5, 1, num_splits=n,
-                         k_scale=k_scale, v_scale=v_scale, sink=sink)  # fmt: skip
-    return splits
+    extend_attention(q, k_pool, k_pool if v_pool is None else v_pool, table, cu, prefix, head_dim**-0.5, 1,
+                     k_scale=k_scale, v_scale=v_scale, sink=sink, **kwargs)  # fmt: skip

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.launch import jit_unspecialised
+
 __all__ = ["MoeConfig", "default_moe_config", "fused_moe", "moe_align_block_size"]
 
 
@@ -102,7 +104,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
 
 
-@triton.jit
+@jit_unspecialised("num_pairs")  # T * k varies per step: one binary per config
 def _moe_gemm_kernel(
     A, B, C, RowWeight, SortedIds, BlockExpert, NumPostPadded,
     N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm,

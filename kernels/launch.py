@@ -27,10 +27,20 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import triton
 
-__all__ = ["RecordedLaunch", "launch", "record"]
+__all__ = ["RecordedLaunch", "jit_unspecialised", "launch", "record"]
 
 _recording: list[RecordedLaunch] | None = None
+
+
+def jit_unspecialised(*names: str) -> Any:
+    """``triton.jit`` that specialises none of the arguments ``names``: neither an integer
+    on the value 1 or on divisibility by 16, nor a pointer on 16-byte alignment. For
+    arguments that vary from launch to launch (split counts, page-table widths, slices of
+    a batch's vectors): Triton compiles one more binary (seconds) for each new combination
+    of such properties, the first time it occurs, in the middle of serving."""
+    return triton.jit(do_not_specialize=list(names), do_not_specialize_on_alignment=list(names))
 
 
 def launch(fn: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:

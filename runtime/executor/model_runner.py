@@ -173,22 +173,33 @@ class ModelRunner:
         self._sink_claims: list[int] = []  # first tokens whose sink slots the last prepare() claimed
         self.graph_runner = self._make_graph_runner()
         self.piecewise = self._make_piecewise()
-        self._warm_up_split_extend()
+        self._warm_up_attention()
 
-    def _warm_up_split_extend(self) -> None:
-        """Compile the split-KV extend path (Triton backend on CUDA) before serving: the
-        first cached-prefix request would otherwise pay the JIT in its TTFT."""
+    def _warm_up_attention(self) -> None:
+        """Compile the attention kernels of eager steps (Triton backend on CUDA) before
+        serving: the long-extend kernel per config, the split-KV extend path, and for float
+        pools the decode path of mixed steps (every merge binary). Otherwise the first
+        cached-prefix request, or the first mixed step with a new decode split count, pays
+        Triton's JIT (seconds) in the TTFT / ITL of every request in flight."""
         if self.device.type != "cuda" or not isinstance(self.model.attn_backend, TritonAttentionBackend):
             return
-        from radixlm.kernels.extend_attention import warm_up_split_path
+        from radixlm.kernels.decode_attention import warm_up_decode_path
+        from radixlm.kernels.extend_attention import warm_up_extend_path, warm_up_split_path
 
         start = time.perf_counter()
-        q_dtype = self.dtype if self.pool.quantised else self.pool.dtype
-        splits = warm_up_split_path(self.pool.k[0], self.num_heads, q_dtype,
-                                    self.context_length, self.pool.k_scale[0], self.pool.v_scale[0],
-                                    self.pool.sink_k[0] if self.pool.has_sink else None)  # fmt: skip
+        pool = self.pool
+        q_dtype = self.dtype if pool.quantised else pool.dtype
+        scales = (pool.k_scale[0], pool.v_scale[0], pool.sink_k[0] if pool.has_sink else None)
+        decode_splits: list[int] = []
+        if not pool.tiered:
+            warm_up_extend_path(pool.k[0], self.num_heads, q_dtype, *scales, v_pool=pool.v[0])
+        if not (pool.quantised or pool.tiered or pool.has_sink):  # the pools of the mixed decode split
+            decode_splits = warm_up_decode_path(pool.k[0], self.num_heads, q_dtype, self.context_length)
+        splits = warm_up_split_path(pool.k[0], self.num_heads, q_dtype, self.context_length, *scales,
+                                    v_pool=pool.v[0])
         torch.cuda.synchronize(self.device)
-        logger.info("split-KV extend compiled for N in %s in %.1f s", splits, time.perf_counter() - start)
+        logger.info("attention compiled (split-KV extend N %s, decode N %s) in %.1f s", splits, decode_splits,
+                    time.perf_counter() - start)
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         """Decode CUDA graphs on a CUDA device with the Triton backend, unless disabled."""
