@@ -433,10 +433,12 @@ def _sink_start(q, m_i, l_i, acc, SinkK, SinkV, SinkSlots, b, kv_head, num_kv_he
     return m_i, l_i, acc, lo
 
 
-# The split count and the page-table width vary from step to step on the eager path (mixed
-# steps): unspecialised (kernels/launch.py), each is one binary that warm_up_decode_path compiles at start-up,
-# instead of a JIT of seconds in the middle of serving when a new value is 1 or a multiple of 16.
-@jit_unspecialised("num_splits", "stride_ptb")
+# The split count, the page-table width and the alignment of the batch's vectors (a mixed
+# step's slices; the placeholders passed for absent scales and sinks) vary from step to step:
+# unspecialised (kernels/launch.py), one binary that warm_up_decode_path compiles at start-up
+# instead of a JIT of seconds in the middle of serving.
+@jit_unspecialised("num_splits", "stride_ptb", "PageTable", "SeqLens", "KScale", "VScale", "VMean", "SinkK", "SinkV",
+                   "SinkSlots")
 def _decode_split_kernel(
     Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale, VMean,
     SinkK, SinkV, SinkSlots,
@@ -543,7 +545,7 @@ def _decode_split_kernel(
         tl.store(PartLse + row, lse, mask=head_mask)
 
 
-@jit_unspecialised("num_splits", "stride_ptb")
+@jit_unspecialised("num_splits", "stride_ptb", "PageTable", "SeqLens", "KScale", "VScale", "VMean")
 def _decode_tiered_kernel(
     Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale, VMean,
     FSlot, KCodes, KStat, VCodes, VStat,
@@ -641,7 +643,7 @@ def _decode_tiered_kernel(
         tl.store(PartLse + row, lse, mask=head_mask)
 
 
-@jit_unspecialised("num_splits")
+@jit_unspecialised("num_splits", "VMean")
 def _decode_merge_kernel(
     PartOut, PartLse, Out, VMean, num_splits, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr, CENTER: tl.constexpr,

@@ -388,9 +388,9 @@ def _attend_tile(
 
 
 # The page-table width varies per step, and a mixed step passes the extend rows' slices of the
-# page table and prefix lengths (their alignment varies): unspecialised, one binary per config
-# (warm_up_extend_path).
-@jit_unspecialised("stride_ptb", "PageTable", "PrefixLens")
+# page table and prefix lengths (also the placeholders of absent scales and sinks), whose
+# alignment varies: unspecialised, one binary per config (warm_up_extend_path).
+@jit_unspecialised("stride_ptb", "PageTable", "PrefixLens", "KScale", "VScale", "SinkK", "SinkV", "SinkSlots")
 def _extend_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale, SinkK, SinkV, SinkSlots,
     qk_scale_log2,
@@ -575,7 +575,7 @@ def _tiered_key_loop(
     return acc_lo, acc_hi, m_i, l_i
 
 
-@jit_unspecialised("stride_ptb", "PageTable", "PrefixLens")
+@jit_unspecialised("stride_ptb", "PageTable", "PrefixLens", "KScale", "VScale")
 def _extend_tiered_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, Out, KScale, VScale,
     FSlot, KCodes, KStat, VCodes, VStat,
@@ -645,7 +645,8 @@ def _extend_tiered_kernel(
 
 
 # One binary for every N, page-table width and batch slice (warm_up_split_path compiles it once).
-@jit_unspecialised("num_splits", "stride_ptb", "PageTable", "PrefixLens")
+@jit_unspecialised("num_splits", "stride_ptb", "PageTable", "PrefixLens", "KScale", "VScale", "SinkK", "SinkV",
+                   "SinkSlots")
 def _extend_split_kernel(
     Q, KPool, VPool, PageTable, CuExtend, PrefixLens, PartOut, PartLse, KScale, VScale,
     SinkK, SinkV, SinkSlots,
@@ -967,9 +968,9 @@ def warm_up_split_path(
     ``extend_num_splits`` can return for sequences up to ``max_seq_len`` (the powers of two
     up to its batch-1 value; the split kernel is one binary, the merge one per N). Reads
     slot 0 of page 0, writes no pool slot. Returns the split counts compiled ([] if the path
-    can never be taken). Caveat: Triton also specialises on 16-byte pointer alignment; FP8
-    scale rows ``k_scale[layer]`` of a [L, K] tensor with K not a multiple of 4 alternate
-    in alignment, so such a pool may still compile one more split binary on first use.
+    can never be taken). The kernel specialises on none of the arguments that vary between
+    layers or steps (FP8 scale rows ``k_scale[layer]`` alternate in 16-byte alignment when
+    K is not a multiple of 4), so one binary serves them all.
     ``sink_k`` [C, K, D]: the pool keeps an exact sink (compiles that variant; slot -1).
     ``v_pool``: the layer's V pool (default ``k_pool``; pass it where V's layout differs,
     e.g. channel-major FP8 V).
