@@ -369,7 +369,9 @@ async def _native_stream(tm: TokenizerManager, generation: Generation, gens: lis
     of one sample with its ``index`` (``segments``, SGLang's ``--stream-output``: only what
     is new since that sample's last event; a long reply then costs O(n), not O(n^2), to
     encode, send and parse); a failure mid-stream is a last ``{"error": ...}`` event (HTTP
-    sends each as SSE, then ``data: [DONE]``)."""
+    sends each as SSE, then ``data: [DONE]``). An event goes out whenever new token ids
+    arrive, also while their text is held back (an incomplete UTF-8 character, a possible
+    stop string): ``output_ids`` and a client's token timing follow the tokens."""
     bases = list(itertools.accumulate((gen.n for gen in gens), initial=0))
     res = [[_NativeResult(tm, gen, i, body.return_text_in_logprobs, plan) for i in range(gen.n)] for gen in gens]
     try:  # the prompts of a batch run concurrently; events interleave, each with its index
@@ -378,7 +380,7 @@ async def _native_stream(tm: TokenizerManager, generation: Generation, gens: lis
                 r = res[k][c.index]
                 r.add(c)
                 metrics.observe_chunk(gens[k], c)
-                if c.text or c.finished:
+                if c.text or c.token_ids or c.finished:
                     yield {**(r.segment() if segments else r.body()), "index": bases[k] + c.index}
     except SchedulerDied as exc:
         yield {"error": {"message": str(exc), "type": "server_error", "code": 503}}

@@ -297,6 +297,22 @@ def test_c12b_emoji_chat_stream_matches_non_stream(server, idle_invariants):
     idle_invariants(server)
 
 
+def test_c12d_generate_stream_sends_ids_while_a_character_is_incomplete(server, idle_invariants):
+    """Native /generate at stream interval 1: one event per token, also for the first byte
+    of a two-token character (its text held back, its id sent), so output_ids and a
+    client's token timing follow the tokens; the cumulative text never shows U+FFFD."""
+    body = {"text": "你是谁？", "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    with server.client() as c:
+        want = post(c, "/generate", body)
+        events = read_sse(c, "/generate", body)
+    assert [len(e["output_ids"]) for e in events] == list(range(1, len(want["output_ids"]) + 1))
+    assert events[-1]["output_ids"] == want["output_ids"] and events[-1]["text"] == want["text"]
+    texts = [e["text"] for e in events]
+    assert all(REPLACEMENT not in t for t in texts), texts
+    assert any(a == b for a, b in zip(texts, texts[1:], strict=False)), texts  # some event added ids only
+    idle_invariants(server)
+
+
 def test_c12c_prompt_ending_mid_character_streams_only_generated_text(server, idle_invariants, tokenizer):
     """Prompt ids = "Hello world " + the first 2 bytes of a 3-byte character. The stream
     carries generated text only: the character the first output bytes complete, then the
@@ -357,10 +373,10 @@ def _c13_generate(c: httpx.Client, interval: int) -> None:
     want = post(c, "/generate", body)
     events = read_sse(c, "/generate", body)
     texts = [e["text"] for e in events]
-    for i, cur in enumerate(texts[:-1]):  # each event extends the previous, never by ""
-        prev = texts[i - 1] if i else ""
-        assert cur.startswith(prev) and len(cur) > len(prev), (prev, cur)
-    assert texts[-1].startswith(texts[-2] if len(texts) > 1 else "")
+    lengths = [len(e["output_ids"]) for e in events]
+    for i, cur in enumerate(texts):  # each event extends the text, and the ids by >= 1
+        assert cur.startswith(texts[i - 1] if i else ""), (texts[i - 1], cur)
+        assert lengths[i] > (lengths[i - 1] if i else 0), lengths
     assert texts[-1] == want["text"]
     assert events[-1]["output_ids"] == want["output_ids"]
     assert events[-1]["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
