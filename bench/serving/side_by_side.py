@@ -20,7 +20,13 @@ run the same workloads through ``radixlm bench serving --backend openai`` (the
 * ``batch1``: one request at a time, 512-token prompt, 512 new tokens (time per output
   token);
 * peak GPU memory used while the server ran (``nvidia-smi``, the whole device, minus what
-  was in use before it started).
+  was in use before it started);
+* binaries compiled during each step (cubin files that appeared in the engine's compile
+  caches: Triton's, TorchInductor's, vLLM's), so a step slowed down by JIT compilation in
+  the middle of serving shows it.
+
+``--radixlm-variant NAME=FLAGS`` (repeatable) adds radixlm runs with extra launch_server
+flags, recorded as engine ``radixlm:NAME``: settings compared against vLLM in one call.
 
 The prefix cache is flushed before every workload (radixlm ``/flush_cache``, vLLM
 ``/reset_prefix_cache`` with ``VLLM_SERVER_DEV_MODE=1``). Each engine runs alone on the
@@ -64,13 +70,16 @@ HEADLINE = ("completed", "failed", "duration_s", "total_input_tokens", "total_ou
 
 
 def engine_command(engine: str, model_dir: Path, port: int, args: argparse.Namespace) -> tuple[list[str], dict, str]:
-    """(argv, environment, working directory) of one engine's OpenAI-compatible server."""
+    """(argv, environment, working directory) of one engine's OpenAI-compatible server;
+    ``engine`` is "vllm", "radixlm" or "radixlm:NAME" (a ``--radixlm-variant``)."""
     env = dict(os.environ)
-    if engine == "radixlm":
+    if engine.startswith("radixlm"):
+        variant = dict(args.radixlm_variant)[engine.partition(":")[2]] if ":" in engine else ""
         argv = [sys.executable, "-m", "radixlm.runtime.launch_server", "--model-path", str(model_dir),
                 "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-running-requests", "1024",
                 "--max-prefill-tokens", "16384", "--mem-fraction-static", str(args.mem_fraction),
-                "--log-level", "warning", "--host", "127.0.0.1", "--port", str(port), *args.radixlm_args.split()]
+                "--log-level", "warning", "--host", "127.0.0.1", "--port", str(port), *args.radixlm_args.split(),
+                *variant.split()]
         return argv, env, str(REPO)
     # vLLM from its own site folder only, started outside the checkout: a top-level folder
     # of this repository (kernels/) would shadow a package of the same name
@@ -119,6 +128,11 @@ class GpuMemory:
     @property
     def peak_mib(self) -> float | None:
         return None if self.peak is None or self.base is None else self.peak - self.base
+
+
+def compiled_binaries(caches: Path) -> int:
+    """Compiled GPU binaries (``*.cubin``) under an engine's compile caches."""
+    return sum(1 for _ in caches.rglob("*.cubin"))
 
 
 def first_completion(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
@@ -199,15 +213,17 @@ def workload_flags(name: str, args: argparse.Namespace) -> list[str]:
 def run_engine(engine: str, model_dir: Path, args: argparse.Namespace, info: dict, t_start: float) -> None:
     from radixlm.runtime.bench import serving as bench_serving
 
-    caches = Path(tempfile.mkdtemp(prefix=f"compile-caches-{engine}-"))
+    caches = Path(tempfile.mkdtemp(prefix=f"compile-caches-{engine.replace(':', '-')}-"))
     rec = info.setdefault(engine, {"seconds": {}, "errors": {}})
-    log = args.out / f"{engine}_server.log"
+    compiled = rec.setdefault("compiled", {})
+    log = args.out / f"{engine.replace(':', '-')}_server.log"
     with GpuMemory() as mem:
         t0 = time.perf_counter()
         server = Server(engine, model_dir, args, log, caches)
         rec["start_cold_s"] = server.start_s
         rec["seconds"]["start-cold"] = time.perf_counter() - t0
-        print(f"[{engine}] cold start: {server.start_s:.1f} s", flush=True)
+        compiled["start-cold"] = seen = compiled_binaries(caches)
+        print(f"[{engine}] cold start: {server.start_s:.1f} s, {seen} binaries compiled", flush=True)
         try:
             for name in args.workloads:
                 if time.perf_counter() - t_start > args.budget_s:
@@ -224,6 +240,8 @@ def run_engine(engine: str, model_dir: Path, args: argparse.Namespace, info: dic
                     traceback.print_exc()
                     rec["errors"][name] = f"{type(exc).__name__}: {exc}"
                 rec["seconds"][name] = time.perf_counter() - t0
+                now = compiled_binaries(caches)
+                compiled[name], seen = now - seen, now
                 save_info(args, info)
         finally:
             rec["exit_code"] = server.stop()
@@ -234,6 +252,7 @@ def run_engine(engine: str, model_dir: Path, args: argparse.Namespace, info: dic
             server = Server(engine, model_dir, args, log, caches)
             rec["start_warm_s"] = server.start_s
             server.stop()
+            compiled["start-warm"] = compiled_binaries(caches) - seen
             print(f"[{engine}] warm start: {rec['start_warm_s']:.1f} s", flush=True)
         except RuntimeError as exc:
             rec["errors"]["start-warm"] = str(exc)
@@ -262,7 +281,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     del model
     torch.cuda.empty_cache()
     info["host"]["checkpoint_s"] = time.perf_counter() - t_start
-    for engine in args.engines:
+    for engine in [*args.engines, *(f"radixlm:{name}" for name, _ in args.radixlm_variant)]:
         try:
             run_engine(engine, model_dir, args, info, t_start)
         except Exception as exc:  # the other engine still runs
@@ -291,30 +310,41 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    """Print radixlm beside vLLM per workload and metric; draw the rate-sweep figure."""
+    """Print each radixlm run (the default and any variants) beside vLLM per workload and
+    metric, with radixlm / vLLM ratios; draw the rate-sweep figure."""
     info, runs = load(args.out)
-    rows = [("start to first completion, cold (s)", "start_cold_s"),
-            ("start to first completion, warm (s)", "start_warm_s"),
-            ("peak GPU memory (MiB)", "peak_gpu_memory_mib")]
-    print("| metric | radixlm | vLLM | radixlm / vLLM |\n|---|---|---|---|")
-    for label, key in rows:
-        a, b = info.get("radixlm", {}).get(key), info.get("vllm", {}).get(key)
-        print(f"| {label} | {_fmt(a)} | {_fmt(b)} | {_ratio(a, b)} |")
+    ours = [e for e in info if e.startswith("radixlm")]
+    engines = [*ours, *(["vllm"] if "vllm" in info else [])]
+    print("| metric | " + " | ".join(engines) + " | " + " | ".join(f"{e} / vLLM" for e in ours) + " |")
+    print("|---" * (1 + len(engines) + len(ours)) + "|")
+
+    def row(label: str, values: list) -> None:
+        peer = values[-1] if "vllm" in info else None
+        ratios = [_ratio(v, peer) for v in values[: len(ours)]]
+        print(f"| {label} | " + " | ".join(map(_fmt, values)) + " | " + " | ".join(ratios) + " |")
+
+    for label, key in (("start to first completion, cold (s)", "start_cold_s"),
+                       ("start to first completion, warm (s)", "start_warm_s"),
+                       ("peak GPU memory (MiB)", "peak_gpu_memory_mib")):
+        row(label, [info[e].get(key) for e in engines])
+    for step in ("start-cold", *WORKLOADS, "start-warm"):
+        counts = [info[e].get("compiled", {}).get(step) for e in engines]
+        if any(c is not None for c in counts):
+            row(f"binaries compiled during {step}", counts)
     for workload in WORKLOADS:
-        for i, ours in enumerate(runs.get(workload, {}).get("radixlm", [])):
-            peer = runs[workload].get("vllm", [])
-            theirs = peer[i] if i < len(peer) else {}
-            rate = ours.get("request_rate") or "inf"
+        per_engine = [runs.get(workload, {}).get(e, []) for e in engines]
+        for i in range(max(map(len, per_engine), default=0)):
+            recs = [r[i] if i < len(r) else {} for r in per_engine]
+            rate = next((r.get("request_rate") for r in recs if r), None) or "inf"
             for key in HEADLINE:
-                a, b = ours.get(key), theirs.get(key)
-                print(f"| {workload} rate {rate}: {key} | {_fmt(a)} | {_fmt(b)} | {_ratio(a, b)} |")
-    sweep = [r for engine in ENGINES for r in runs.get("sweep", {}).get(engine, [])]
+                row(f"{workload} rate {rate}: {key}", [r.get(key) for r in recs])
+    sweep = [r for engine in engines for r in runs.get("sweep", {}).get(engine, [])]
     if sweep and args.plot:
-        plot_sweep(sweep, args.plot)
+        plot_sweep(sweep, engines, args.plot)
         print(f"wrote {args.plot}")
 
 
-def plot_sweep(records: list[dict], path: Path) -> None:
+def plot_sweep(records: list[dict], engines: list[str], path: Path) -> None:
     """Median TTFT, median ITL and output throughput versus request rate, one line per engine."""
     import matplotlib
 
@@ -324,7 +354,7 @@ def plot_sweep(records: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     panels = (("median_ttft_ms", "median TTFT (ms)"), ("median_itl_ms", "median ITL (ms)"),
               ("output_throughput", "output tokens/s"))
-    for engine in ENGINES:
+    for engine in engines:
         recs = sorted((r for r in records if r["tag"].startswith(f"{engine}/")), key=lambda r: r["request_rate"])
         if not recs:
             continue
@@ -342,6 +372,13 @@ def plot_sweep(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _variant(text: str) -> tuple[str, str]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS with NAME of letters, digits, - and _, got {text!r}")
+    return name, flags
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -355,6 +392,8 @@ def main() -> None:
     run.add_argument("--vllm-site", default="/tmp/vsite", help="PYTHONPATH of the vLLM server")
     run.add_argument("--mem-fraction", type=float, default=0.85, help="GPU memory fraction of both engines")
     run.add_argument("--radixlm-args", default="", help="extra launch_server flags")
+    run.add_argument("--radixlm-variant", type=_variant, action="append", default=[], metavar="NAME=FLAGS",
+                     help="also run radixlm with these extra flags, as engine radixlm:NAME (repeatable)")
     run.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     run.add_argument("--num-prompts", type=int, default=1000)
     run.add_argument("--multiturn-conversations", type=int, default=200)
@@ -365,7 +404,7 @@ def main() -> None:
     run.add_argument("--budget-s", type=float, default=540.0, help="no step starts after this many seconds")
     run.add_argument("--seed", type=int, default=1)
     run.add_argument("--out", type=Path, required=True)
-    rep = sub.add_parser("report", help="the radixlm / vLLM table and the sweep figure")
+    rep = sub.add_parser("report", help="the radixlm (and variants) / vLLM table and the sweep figure")
     rep.add_argument("--out", type=Path, required=True)
     rep.add_argument("--plot", type=Path, help="PNG of the rate sweep")
     args = ap.parse_args()
