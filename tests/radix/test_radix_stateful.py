@@ -129,12 +129,15 @@ class RadixTreeMachine(RuleBasedStateMachine):
         """``evict(1)`` takes exactly one unlocked leaf, one with the lowest policy key."""
         key_of = self.tree._policy  # the tree's own instance (a learned policy has state)
         leaves = [n for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
+        # keys as the eviction sees them: the parent it leaves behind becomes a candidate,
+        # whose push may refresh a policy's clock snapshot (ReuseGap) and re-key everything
+        keys = {id(n): key_of(n) for n in leaves}
         freed = self.tree.evict(1)
         if not leaves:
             assert freed == []
             return
         victim = next(n for n in leaves if n.pages == freed)
-        assert key_of(victim) == min(key_of(n) for n in leaves), "evicted out of policy order"
+        assert keys[id(victim)] == min(keys.values()), "evicted out of policy order"
         self.cached = {k: page for k, page in self.cached.items() if page not in set(freed)}
 
     def nodes(self) -> list:
