@@ -178,3 +178,22 @@ RadixTreeMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_radix_tree_against_model = RadixTreeMachine.TestCase
+
+
+def test_reuse_gap_refresh_inside_an_eviction_keeps_policy_order() -> None:
+    """A sequence hypothesis found: the last eviction removes leaf [8] (the lowest key)
+    and pushes its parent, a first-time candidate whose push refreshes ReuseGap's clock
+    snapshot; under the new snapshot leaf [6] ranks lower. The eviction was right; its
+    check must use the keys it saw."""
+    m = RadixTreeMachine()
+    m.make_tree(page_size=1, policy="reuse-gap")
+    steps = ([0, 2], None, [], [1, 2], [2], [0], None, "match", [], [1, 0], None, [], [], [1], None)
+    for tokens in steps:  # each insert and match reads the tree's clock (one tick)
+        if tokens is None:
+            m.evict_one_leaf_in_policy_order()
+        elif tokens == "match":
+            m.match_random([0])
+        else:
+            m.insert_fresh_pages(tokens)
+        m.tree_matches_model()
+    assert m.tree._policy.now == 10.0  # the snapshot moved during the last eviction
