@@ -9,7 +9,8 @@ runs ``--load-format dummy``, so no 16 / 61 GB checkpoint is written):
 2. the batch-1 decode time per token (median ITL) against its floor: the active weight bytes
    of one token (attention, norms, the router, k experts per MoE layer, the LM head) / the
    measured copy bandwidth;
-3. MoE shapes only, in process: ``kernels.fused_moe.fused_moe`` for one layer of the shape at
+3. MoE shapes only, in process (``--moe-sweep``: each tile config of ``MOE_SWEEP`` too, to tune
+   ``default_moe_config``): ``kernels.fused_moe.fused_moe`` for one layer of the shape at
    T = 1 .. 4096 tokens (routing from random logits), CUDA-graph replay, L2 flushed: achieved
    TFLOP/s (6 T k E F) against the measured bf16 matmul ceiling and bytes/s (the weights of
    the experts hit + activations) against the measured copy bandwidth; the T = 1 step against
@@ -99,9 +100,18 @@ def active_weight_bytes(shape: str, dtype_bytes: int = 2) -> dict[str, int]:
             "total": (layers + e * c["vocab_size"]) * dtype_bytes}  # fmt: skip
 
 
-def bench_moe_kernel(shape: str, tokens: list[int], timer: Timer, ceil: dict) -> list[dict]:
-    """The fused MoE kernel on one layer of ``shape`` at each T (module docstring, step 3)."""
-    from radixlm.kernels.fused_moe import fused_moe
+# Tile candidates of --moe-sweep (block_m, block_n, block_k, warps, stages): small row blocks and
+# narrow / wide column blocks for decode, larger ones for prefill.
+MOE_SWEEP = [(16, 32, 64, 4, 4), (16, 32, 128, 4, 4), (16, 64, 64, 4, 3), (16, 64, 128, 4, 4), (16, 128, 64, 4, 3),
+             (16, 128, 128, 8, 3), (32, 64, 64, 4, 3), (32, 64, 128, 4, 4), (32, 128, 64, 4, 3), (64, 64, 64, 4, 3),
+             (64, 128, 64, 8, 3), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3)]  # fmt: skip
+
+
+def bench_moe_kernel(shape: str, tokens: list[int], timer: Timer, ceil: dict, sweep: bool = False) -> list[dict]:
+    """The fused MoE kernel on one layer of ``shape`` at each T (module docstring, step 3);
+    ``sweep``: also each tile config of ``MOE_SWEEP`` at each T (``sweep_us``: config -> us,
+    ``best``: the fastest), to tune ``default_moe_config``."""
+    from radixlm.kernels.fused_moe import MoeConfig, fused_moe
 
     _, c = SHAPES[shape]
     e, f, x, k = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"], c["num_experts_per_tok"]
@@ -128,6 +138,13 @@ def bench_moe_kernel(shape: str, tokens: list[int], timer: Timer, ceil: dict) ->
         if t == 1:
             floor_us = k * 3 * e * f * h.element_size() / ceil["copy_bytes_per_s"] * 1e6
             row.update(floor_us=floor_us, time_over_floor=us / floor_us)
+        if sweep:
+            row["sweep_us"] = {}
+            for cand in MOE_SWEEP:
+                config = MoeConfig(*cand)
+                run = lambda h=h, w=weights, i=ids, config=config: fused_moe(h, w13, w2, w, i, config)  # noqa: E731
+                row["sweep_us"]["/".join(map(str, cand))] = timer.median_us(run, graph=True)
+            row["best"] = min(row["sweep_us"], key=row["sweep_us"].get)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -148,6 +165,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=540.0, help="a step that would start after this is skipped")
     ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--moe-sweep", action="store_true", help="also time each tile config of MOE_SWEEP at each T")
     return ap.parse_args()
 
 
@@ -161,7 +179,7 @@ def main() -> None:
     result["active_weight_bytes"] = active_weight_bytes(args.shape)
     result["batch1_decode_floor_ms"] = result["active_weight_bytes"]["total"] / ceil["copy_bytes_per_s"] * 1e3
     if "num_experts" in SHAPES[args.shape][1]:
-        result["moe_kernel"] = bench_moe_kernel(args.shape, args.moe_tokens, timer, ceil)
+        result["moe_kernel"] = bench_moe_kernel(args.shape, args.moe_tokens, timer, ceil, args.moe_sweep)
     if not args.skip_serving:
         run = Runner(args)
         model_dir = write_config(args.shape, args.tokenizer_dir, args.models_root)
