@@ -108,12 +108,12 @@ class RuntimeEndpoint(Backend):
     def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
         sent = 0
         for event in self.http.stream("/generate", self._body(prompt, params, stream=True)):
-            text = event["text"]
-            if self._segments:
-                yield text, event["meta_info"]
-                continue
-            yield text[sent:], event["meta_info"]
+            text, meta = event["text"], event["meta_info"]
+            piece = text if self._segments else text[sent:]
             sent = len(text)
+            # events that only add token ids (their text held back) carry nothing for the DSL
+            if piece or meta.get("finish_reason") is not None:
+                yield piece, meta
 
     def select(self, prompt: Prompt, choices: Sequence[str],
                method: ChoicesMethod) -> tuple[str, dict[str, Any]]:
