@@ -31,6 +31,7 @@ from radixlm.runtime import messages as m
 from radixlm.runtime.executor.kv_calibration import KVScalesError
 from radixlm.runtime.executor.model_loader import usable_cores
 from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.executor.models import UnsupportedArchitecture
 from radixlm.runtime.executor.parallel import COLLECTIVE_TIMEOUT, PeerPlacement, RankPlacement
 from radixlm.runtime.executor.sampling import has_penalties
 from radixlm.runtime.ipc import MsgSocket
@@ -774,7 +775,7 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
             if peer is not None:
                 peer_socks = join_peers(scheduler, peer, recv)
         except Exception as exc:  # report start-up failures instead of dying silently
-            if isinstance(exc, KVScalesError):  # the user's file or model: the message says what
+            if isinstance(exc, (KVScalesError, UnsupportedArchitecture)):  # the user's file or model: the message says what
                 logger.error("scheduler failed to start: %s", exc)
             else:
                 logger.exception("scheduler failed to start")

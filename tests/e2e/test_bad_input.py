@@ -686,3 +686,26 @@ def test_repetition_penalty_out_of_range_is_400(server, idle_invariants):
             "max_new_tokens": 3, "temperature": 1, "repetition_penalty": 0.01, "seed": 1}})
     assert ok.status_code == 200 and ok.json()["output_ids"] != [0, 0, 0], ok.text
     idle_invariants(server)
+
+
+def test_an_unsupported_architecture_stops_start_up_with_one_line(tiny_model_dir, smollm2_dir, tmp_path):
+    """A config.json naming an architecture outside the registry: launch_server exits
+    non-zero with the error naming it and the supported ones, and no traceback (a user's
+    configuration, not a bug)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from radixlm.runtime.bench.server_process import free_port
+
+    model = tmp_path / "foo"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"]}))
+    run = subprocess.run([sys.executable, "-m", "radixlm.runtime.launch_server", "--model-path", str(model),
+                          "--tokenizer-path", smollm2_dir, "--device", "cpu", "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    log = run.stdout + run.stderr
+    assert "unsupported architecture ['FooForCausalLM']; radixlm supports: Gemma2ForCausalLM" in log, log[-2000:]
+    assert "Traceback" not in log, log[-2000:]

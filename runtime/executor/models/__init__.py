@@ -18,7 +18,8 @@ from radixlm.runtime.executor.models.mistral import MistralForCausalLM, MixtralF
 from radixlm.runtime.executor.models.phi3 import Phi3ForCausalLM
 from radixlm.runtime.executor.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-__all__ = ["MODEL_REGISTRY", "CausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "model_class"]
+__all__ = ["MODEL_REGISTRY", "CausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "UnsupportedArchitecture",
+           "model_class"]
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     cls.__name__: cls
@@ -29,13 +30,19 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 }  # fmt: skip
 
 
+class UnsupportedArchitecture(ValueError):
+    """config.json names no architecture radixlm serves (a user error: start-up reports
+    the message alone, without a traceback)."""
+
+
 def model_class(architectures: list[str]) -> type[CausalLM]:
     """The class of the first of config.json's ``architectures`` we support.
 
-    Raises ValueError naming the architectures asked for and the supported ones.
+    Raises UnsupportedArchitecture (a ValueError) naming the architectures asked for and
+    the supported ones.
     """
     for name in architectures:
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
-    raise ValueError(f"unsupported architecture {architectures}; radixlm supports: "
+    raise UnsupportedArchitecture(f"unsupported architecture {architectures}; radixlm supports: "
                      f"{', '.join(sorted(MODEL_REGISTRY))}")  # fmt: skip
