@@ -213,10 +213,11 @@ def workload_flags(name: str, args: argparse.Namespace) -> list[str]:
 def run_engine(engine: str, model_dir: Path, args: argparse.Namespace, info: dict, t_start: float) -> None:
     from radixlm.runtime.bench import serving as bench_serving
 
-    caches = Path(tempfile.mkdtemp(prefix=f"compile-caches-{engine.replace(':', '-')}-"))
+    slug = engine.replace(":", "-")  # radixlm:NAME -> radixlm-NAME in file names
+    caches = Path(tempfile.mkdtemp(prefix=f"compile-caches-{slug}-"))
     rec = info.setdefault(engine, {"seconds": {}, "errors": {}})
     compiled = rec.setdefault("compiled", {})
-    log = args.out / f"{engine.replace(':', '-')}_server.log"
+    log = args.out / f"{slug}_server.log"
     with GpuMemory() as mem:
         t0 = time.perf_counter()
         server = Server(engine, model_dir, args, log, caches)

@@ -190,13 +190,14 @@ class ModelRunner:
         pool = self.pool
         q_dtype = self.dtype if pool.quantised else pool.dtype
         scales = (pool.k_scale[0], pool.v_scale[0], pool.sink_k[0] if pool.has_sink else None)
+        splits: list[int] = []
         decode_splits: list[int] = []
-        if not pool.tiered:
+        if not pool.tiered:  # tiered (int4 / mixed) pools take neither path: one tiered extend kernel
             warm_up_extend_path(pool.k[0], self.num_heads, q_dtype, *scales, v_pool=pool.v[0])
+            splits = warm_up_split_path(pool.k[0], self.num_heads, q_dtype, self.context_length, *scales,
+                                        v_pool=pool.v[0])
         if not (pool.quantised or pool.tiered or pool.has_sink):  # the pools of the mixed decode split
             decode_splits = warm_up_decode_path(pool.k[0], self.num_heads, q_dtype, self.context_length)
-        splits = warm_up_split_path(pool.k[0], self.num_heads, q_dtype, self.context_length, *scales,
-                                    v_pool=pool.v[0])
         torch.cuda.synchronize(self.device)
         logger.info("attention compiled (split-KV extend N %s, decode N %s) in %.1f s", splits, decode_splits,
                     time.perf_counter() - start)

@@ -50,6 +50,9 @@ from radixlm.runtime.text.grammar import GrammarCache, allows_a_token, grammar_o
 
 __all__ = ["Scheduler", "run_scheduler_process"]
 
+# start-up failures caused by the user's model or files: logged as their message, no traceback
+_USER_ERRORS = (KVScalesError, UnsupportedArchitecture)
+
 logger = logging.getLogger("radixlm.scheduler")
 STATS_INTERVAL_S = 0.5
 
@@ -775,7 +778,7 @@ def serve_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid
             if peer is not None:
                 peer_socks = join_peers(scheduler, peer, recv)
         except Exception as exc:  # report start-up failures instead of dying silently
-            if isinstance(exc, (KVScalesError, UnsupportedArchitecture)):  # the user's file or model: the message says what
+            if isinstance(exc, _USER_ERRORS):  # the user's file or model: the message says what
                 logger.error("scheduler failed to start: %s", exc)
             else:
                 logger.exception("scheduler failed to start")
