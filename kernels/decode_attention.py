@@ -111,6 +111,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -118,9 +119,9 @@ import triton.language as tl
 from radixlm.kernels.launch import jit_unspecialised, launch
 from radixlm.kernels.reference import Sink, channel_major
 
-__all__ = ["FP8_DECODE_CONFIG", "FP8_LARGE_BATCH_DECODE_CONFIG", "TIERED_DECODE_CONFIG", "DecodeConfig",
-           "DecodeWorkspace", "TieredPages", "decode_attention", "decode_num_splits", "default_decode_config",
-           "merge_variants", "warm_up_decode_path"]
+__all__ = ["FP8_DECODE_CONFIG", "FP8_LARGE_BATCH_DECODE_CONFIG", "PREFIX_CONFIG", "TIERED_DECODE_CONFIG",
+           "DecodeConfig", "DecodeWorkspace", "SharedPrefixes", "TieredPages", "decode_attention", "decode_num_splits",
+           "default_decode_config", "merge_variants", "plan_shared_prefixes", "shared_prefix_bound", "warm_up_decode_path"]
 
 LOG2E = 1.4426950408889634
 
@@ -411,6 +412,126 @@ class DecodeWorkspace:
         )
 
 
+# The prefix kernel (cascade decode): [MEMBERS * GROUP_PAD = 64, D] query tiles, 64-key tiles.
+PREFIX_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+PREFIX_ROWS = 64  # query rows per prefix-kernel program: MEMBERS = PREFIX_ROWS // next_power_of_2(G)
+
+
+@dataclass(frozen=True)
+class SharedPrefixes:
+    """A cascade decode plan of one batch (``plan_shared_prefixes``; ``decode_attention(shared=)``).
+
+    chunk_rows [C, MEMBERS] int32: the batch rows of each chunk (requests whose page tables
+    share their first ``chunk_keys[c]`` keys), -1 padded; chunk_keys [C] int32, a multiple
+    of the page size; skip_lens [B] int32, the keys of request b that its chunk covers (0
+    outside every chunk); ``num_splits``: the prefix kernel's splits per chunk (set by the
+    caller, ``decode_num_splits`` over C chunks); ``saved_keys``: key reads saved per kv
+    head and layer (sum over chunks of (members - 1) x shared keys)."""
+
+    chunk_rows: torch.Tensor
+    chunk_keys: torch.Tensor
+    skip_lens: torch.Tensor
+    saved_keys: int
+    num_splits: int = 1
+
+    def to(self, device: torch.device | str, num_splits: int) -> SharedPrefixes:
+        """The plan on ``device`` (one pinned host-to-device copy on CUDA, no host wait),
+        with the prefix kernel's split count."""
+        device = torch.device(device)
+        rows, c = self.chunk_rows, self.chunk_rows.shape[0]
+        flat = torch.cat([rows.reshape(-1), self.chunk_keys, self.skip_lens])
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = flat.to(device)
+        n = rows.numel()
+        return SharedPrefixes(flat[:n].view(c, rows.shape[1]), flat[n:n + c], flat[n + c:],
+                              self.saved_keys, num_splits)
+
+
+def plan_shared_prefixes(page_table: np.ndarray, seq_lens: np.ndarray, page_size: int, group: int,
+                         min_shared_pages: int = 4) -> SharedPrefixes | None:
+    """Chunks of decode requests that share a prefix of pages (the radix cache hands every
+    request matching a cached prefix the same pages), for cascade decode: each chunk's
+    shared keys are read once, for all its members' queries (FlashInfer's cascade /
+    Hydragen's shared-prefix batching: Ye et al. 2024, Juravsky et al. 2024).
+
+    ``page_table`` [B, Pmax] int32 host array (rows padded with page 0), ``seq_lens`` [B]
+    keys per request (the new token's included), ``group`` = G query heads per kv head.
+    Requests are grouped by their first page; within a group each one's shared pages are
+    the leading pages equal to those of the group's longest request, counting only pages
+    wholly before its last key; requests sharing fewer than ``min_shared_pages`` stay out.
+    A group is cut into balanced chunks of at most ``PREFIX_ROWS // next_power_of_2(G)``
+    members, the longest-sharing together, and a chunk shares its members' least. Returns
+    the plan on the host (tensors from numpy), or None when no chunk has two members.
+    Vectorised: ~0.1-1 ms for a few hundred requests."""
+    table = np.asarray(page_table)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    batch, width = table.shape
+    members = max(1, PREFIX_ROWS // triton.next_power_of_2(group))
+    full = np.minimum((lens - 1) // page_size, width)  # pages wholly before each last key
+    cand = np.flatnonzero(full >= min_shared_pages)
+    if len(cand) < 2:
+        return None
+    order = cand[np.lexsort((-full[cand], table[cand, 0]))]  # by first page, longest first
+    first = table[order, 0]
+    starts = np.r_[True, first[1:] != first[:-1]]
+    leader = order[np.flatnonzero(starts)[np.cumsum(starts) - 1]]
+    most = int(full[order].max())
+    eq = table[order, :most] == table[leader, :most]
+    common = np.where(eq.all(1), most, eq.argmin(1))
+    common = np.minimum(common, np.minimum(full[order], full[leader]))
+    keep = common >= min_shared_pages
+    rows, common, grp = order[keep], common[keep], (np.cumsum(starts) - 1)[keep]
+    if len(rows) < 2:
+        return None
+    o = np.lexsort((-common, grp))  # by group, most shared first
+    rows, common, grp = rows[o], common[o], grp[o]
+    g_start = np.r_[True, grp[1:] != grp[:-1]]
+    g_first = np.flatnonzero(g_start)
+    g_size = np.diff(np.r_[g_first, len(rows)])
+    gi = np.cumsum(g_start) - 1
+    rank = np.arange(len(rows)) - g_first[gi]
+    n_chunks = -(-g_size // members)
+    local = rank * n_chunks[gi] // g_size[gi]  # balanced: sizes differ by at most one
+    c_start = g_start | np.r_[False, local[1:] != local[:-1]]
+    chunk = np.cumsum(c_start) - 1
+    c_first = np.flatnonzero(c_start)
+    c_size = np.diff(np.r_[c_first, len(rows)])
+    c_pages = np.minimum.reduceat(common, c_first)
+    good = c_size >= 2
+    if not good.any():
+        return None
+    renum = np.cumsum(good) - 1
+    in_good = good[chunk]
+    rows, chunk, pos = rows[in_good], renum[chunk[in_good]], (np.arange(len(chunk)) - c_first[chunk])[in_good]
+    c_keys = (c_pages[good] * page_size).astype(np.int32)
+    chunk_rows = np.full((int(good.sum()), members), -1, dtype=np.int32)
+    chunk_rows[chunk, pos] = rows
+    skip = np.zeros(batch, dtype=np.int32)
+    skip[rows] = c_keys[chunk]
+    saved = int(((c_size[good] - 1) * c_keys).sum())
+    return SharedPrefixes(torch.from_numpy(chunk_rows), torch.from_numpy(c_keys), torch.from_numpy(skip), saved)
+
+
+def shared_prefix_bound(page_tables: list[list[int]], page_size: int) -> int:
+    """An upper bound on ``plan_shared_prefixes(...).saved_keys`` for decode requests with
+    these page tables (each covering its sequence): per first page, the sum of its tables'
+    pages - 1 less the largest, times ``page_size`` (a chunk of m members sharing k pages
+    saves (m - 1) k, and every member has at least k pages before its last). A dict pass."""
+    firsts: dict[int, list[int]] = {}
+    for pages in page_tables:
+        if pages:
+            n = len(pages) - 1
+            seen = firsts.get(pages[0])
+            if seen is None:
+                firsts[pages[0]] = [n, n]
+            else:
+                seen[0] += n
+                seen[1] = max(seen[1], n)
+    return sum(total - most for total, most in firsts.values()) * page_size
+
+
 @triton.jit
 def _sink_start(q, m_i, l_i, acc, SinkK, SinkV, SinkSlots, b, kv_head, num_kv_heads, holds_key_0,
                 qk_scale_log2, HEAD_DIM: tl.constexpr):
@@ -437,12 +558,12 @@ def _sink_start(q, m_i, l_i, acc, SinkK, SinkV, SinkSlots, b, kv_head, num_kv_he
 # step's slices; the placeholders passed for absent scales and sinks) vary from step to step:
 # unspecialised (kernels/launch.py), one binary that warm_up_decode_path compiles at start-up
 # instead of a JIT of seconds in the middle of serving.
-@jit_unspecialised("num_splits", "stride_ptb", "PageTable", "SeqLens", "KScale", "VScale", "VMean", "SinkK", "SinkV",
-                   "SinkSlots")
+@jit_unspecialised("num_splits", "num_slots", "stride_ptb", "PageTable", "SeqLens", "SkipLens", "KScale", "VScale",
+                   "VMean", "SinkK", "SinkV", "SinkSlots")
 def _decode_split_kernel(
-    Q, KPool, VPool, PageTable, SeqLens, Out, PartOut, PartLse, KScale, VScale, VMean,
+    Q, KPool, VPool, PageTable, SeqLens, SkipLens, Out, PartOut, PartLse, KScale, VScale, VMean,
     SinkK, SinkV, SinkSlots,
-    qk_scale_log2, num_splits,
+    qk_scale_log2, num_splits, num_slots,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
     stride_ptb, stride_ob, stride_oh,
@@ -450,16 +571,23 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, F16_DOT: tl.constexpr,
     CENTER: tl.constexpr, PAGES_AHEAD: tl.constexpr, SAME_STRIDES: tl.constexpr,
-    HAS_SINK: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr, VSTEP: tl.constexpr,
+    HAS_SINK: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr, VSTEP: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):  # fmt: skip
+    """Grid (B, K, N). HAS_SKIP (cascade, ``SharedPrefixPlan``): request b's keys below
+    ``SkipLens[b]`` are the prefix kernel's; the N splits cover the rest, and the partials
+    are ``num_slots`` per (request, head) row (the prefix kernel's after the N here; a
+    request outside every chunk marks those empty)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if QUANT == 1:  # FP8 pages: the K scale joins the softmax scale, V's scales the output
         qk_scale_log2 = qk_scale_log2 * tl.load(KScale + kv_head)
     seq_len = tl.load(SeqLens + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    begin = 0
+    if HAS_SKIP:
+        begin = tl.load(SkipLens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len - begin, num_splits), BLOCK_N) * BLOCK_N
+    start = begin + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, BLOCK_H)  # [Hb] query heads of this kv head (padded)
@@ -536,13 +664,83 @@ def _decode_split_kernel(
         o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=head_mask[:, None])
     else:
-        # PartOut [B, H, N, D] and PartLse [B, H, N], contiguous.
-        row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [Hb]
+        # PartOut [B, H, num_slots, D] and PartLse [B, H, num_slots], contiguous.
+        row = (b * GROUP * tl.num_programs(1) + heads) * num_slots + split  # [Hb]
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         # An empty split (past a short sequence: graphs size N for the longest) writes only
         # its lse of -inf; the merge does not read its PartOut row.
         tl.store(PartOut + row[:, None] * HEAD_DIM + dims[None, :], out, mask=(head_mask & nonempty)[:, None])
         tl.store(PartLse + row, lse, mask=head_mask)
+        if HAS_SKIP:
+            if (split == 0) & (begin == 0):  # in no chunk: the prefix kernel's slots are empty
+                for extra in range(num_splits, num_slots):
+                    tl.store(PartLse + row - split + extra, float("-inf"), mask=head_mask)
+
+
+# Cascade decode (shared prefixes): the chunk count and the batch's vectors vary per step.
+@jit_unspecialised("num_splits", "num_slots", "first_slot", "stride_ptb", "PageTable", "ChunkRows", "ChunkKeys")
+def _decode_prefix_kernel(
+    Q, KPool, VPool, PageTable, ChunkRows, ChunkKeys, PartOut, PartLse,
+    qk_scale_log2, num_splits, num_slots, first_slot,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kk, stride_vp, stride_vs, stride_vk,
+    stride_ptb,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (C, K, N): program (chunk c, kv head, split) attends the queries of up to
+    MEMBERS requests (``ChunkRows[c]``, -1 padded) x their GROUP query heads, one
+    [MEMBERS * GROUP_PAD, D] tile, over the ``ChunkKeys[c]`` keys their page tables share
+    (read from the first member's row): each K/V tile is loaded once for the whole chunk.
+    Writes normalised partials and log2-sum-exps into slot ``first_slot + split`` of
+    PartOut [B, H, num_slots, D] / PartLse [B, H, num_slots]."""
+    c = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    shared = tl.load(ChunkKeys + c)
+    split_len = tl.cdiv(tl.cdiv(shared, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, shared)
+
+    r = tl.arange(0, MEMBERS * GROUP_PAD)  # [M] rows: member r // GROUP_PAD, head r % GROUP_PAD
+    g = r % GROUP_PAD
+    b = tl.load(ChunkRows + c * MEMBERS + r // GROUP_PAD)  # [M]
+    row_mask = (b >= 0) & (g < GROUP)
+    b = tl.maximum(b, 0).to(tl.int64)
+    heads = kv_head * GROUP + g
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None], other=0.0)  # [M, D]
+    page_row = PageTable + tl.load(ChunkRows + c * MEMBERS).to(tl.int64) * stride_ptb
+    k_base = KPool + kv_head * stride_kk
+    v_base = VPool + kv_head * stride_vk
+
+    m_i = tl.full([MEMBERS * GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([MEMBERS * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([MEMBERS * GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)  # [Nb]
+        valid = keys < end
+        page = tl.load(page_row + keys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        k = tl.load(k_base + (page * stride_kp + (keys % PAGE_SIZE) * stride_ks)[:, None] + dims[None, :],
+                    mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [M, Nb], log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + (page * stride_vp + (keys % PAGE_SIZE) * stride_vs)[:, None] + dims[None, :],
+                    mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    row = (b * GROUP * tl.num_programs(1) + heads) * num_slots + first_slot + split  # [M]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    tl.store(PartOut + row[:, None] * HEAD_DIM + dims[None, :], out, mask=(row_mask & nonempty)[:, None])
+    tl.store(PartLse + row, lse, mask=row_mask)
 
 
 @jit_unspecialised("num_splits", "stride_ptb", "PageTable", "SeqLens", "KScale", "VScale", "VMean")
@@ -702,7 +900,8 @@ def merge_variants(most: int, head_dim: int) -> list[int]:
     return sorted(seen.values())
 
 
-def warm_up_decode_path(k_pool: torch.Tensor, num_heads: int, q_dtype: torch.dtype, max_seq_len: int) -> list[int]:
+def warm_up_decode_path(k_pool: torch.Tensor, num_heads: int, q_dtype: torch.dtype, max_seq_len: int,
+                        cascade: bool = False) -> list[int]:
     """Compile the eager decode path of a float pool ([P, S, K, D], the model's dtype)
     before serving. A mixed step (decodes beside prefill chunks, ``TritonAttentionBackend``)
     runs ``decode_attention`` eagerly with the split count ``decode_num_splits`` gives its
@@ -711,10 +910,12 @@ def warm_up_decode_path(k_pool: torch.Tensor, num_heads: int, q_dtype: torch.dty
 
     Runs one decode of one key over page 0 (results discarded; no pool slot written) with
     N = 1 (the direct kernel) and each N of ``merge_variants`` up to the batch-1 split count
-    for ``max_seq_len`` keys. Returns the split counts run.
+    for ``max_seq_len`` keys. ``cascade``: also cascade decode (``shared=``) of two requests
+    sharing page 0, with merges of up to twice that many slots (suffix and prefix splits).
+    Returns the slot counts run.
     """
     device = k_pool.device
-    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+    page_size, num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
     most = decode_num_splits(1, num_kv_heads, max_seq_len, device)
     splits = [1, *merge_variants(most, head_dim)]
     q = torch.zeros(1, num_heads, head_dim, dtype=q_dtype, device=device)
@@ -722,6 +923,18 @@ def warm_up_decode_path(k_pool: torch.Tensor, num_heads: int, q_dtype: torch.dty
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     for n in splits:
         decode_attention(q, k_pool, k_pool, table, seq_lens, head_dim**-0.5, num_splits=n)
+    if cascade:
+        q2 = torch.zeros(2, num_heads, head_dim, dtype=q_dtype, device=device)
+        table2 = np.zeros((2, 2), dtype=np.int32)
+        lens2 = np.full(2, page_size + 1)
+        plan = plan_shared_prefixes(table2, lens2, page_size, num_heads // num_kv_heads, min_shared_pages=1)
+        table2_d = torch.zeros(2, 2, dtype=torch.int32, device=device)
+        lens2_d = torch.full((2,), page_size + 1, dtype=torch.int32, device=device)
+        cascade_slots = merge_variants(2 * most, head_dim)
+        for n in cascade_slots:  # n - 1 suffix splits + 1 prefix split
+            decode_attention(q2, k_pool, k_pool, table2_d, lens2_d, head_dim**-0.5, num_splits=n - 1,
+                             shared=plan.to(device, 1))  # fmt: skip
+        splits += [-n for n in cascade_slots]
     return splits
 
 
@@ -796,6 +1009,7 @@ def decode_attention(
     tiered: TieredPages | None = None,
     v_mean: torch.Tensor | None = None,
     sink: Sink | None = None,
+    shared: SharedPrefixes | None = None,
 ) -> torch.Tensor:
     """Paged decode attention: q [B, H, D] over each request's ``seq_lens[b]`` keys -> [B, H, D].
 
@@ -827,6 +1041,11 @@ def decode_attention(
         sink: exact attention sink of an FP8 pool (``radixlm.kernels.reference.Sink``:
             [C, K, D] float32 contiguous slots, [B] int32 slot per request, -1 none); not
             with ``tiered``.
+        shared: cascade decode (``plan_shared_prefixes``, on q's device): the keys that
+            chunks of requests share are read once per chunk by ``_decode_prefix_kernel``
+            (``shared.num_splits`` splits), each member's other keys by the split kernel,
+            and the merge combines both. Float pools only (no scales, tiers or sink); the
+            workspace then has N + ``shared.num_splits`` slots per row.
     """
     _check_inputs(q, k_pool, v_pool, page_table, seq_lens)
     _check_sink(sink, k_pool, k_scale, q.shape[0])
@@ -849,16 +1068,21 @@ def decode_attention(
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
-    if num_splits == 1:
+    slots = num_splits
+    if shared is not None:
+        assert k_scale is None and tiered is None and sink is None, "cascade decode: float pools only"
+        assert shared.skip_lens.shape == (batch,) and shared.chunk_rows.device == q.device, shared.skip_lens.shape
+        slots += shared.num_splits
+    if slots == 1:
         part_out = part_lse = out  # unused
     else:
         if workspace is None:
-            workspace = DecodeWorkspace.allocate(batch, num_heads, num_splits, head_dim, q.device)
+            workspace = DecodeWorkspace.allocate(batch, num_heads, slots, head_dim, q.device)
         part_out, part_lse = workspace.partial_out, workspace.partial_lse
-        assert part_out.shape == (batch, num_heads, num_splits, head_dim), part_out.shape
-        assert part_lse.shape == (batch, num_heads, num_splits) and part_out.is_contiguous()
+        assert part_out.shape == (batch, num_heads, slots, head_dim), part_out.shape
+        assert part_lse.shape == (batch, num_heads, slots) and part_out.is_contiguous()
     _launch(q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, scale,
-            num_splits, config, k_scale, v_scale, tiered, v_mean, sink)  # fmt: skip
+            num_splits, config, k_scale, v_scale, tiered, v_mean, sink, shared)  # fmt: skip
     return out
 
 
@@ -935,13 +1159,16 @@ def _launch(
     tiered: TieredPages | None = None,
     v_mean: torch.Tensor | None = None,
     sink: Sink | None = None,
+    shared: SharedPrefixes | None = None,
 ) -> tuple:
-    """Launch the split kernel (and the merge kernel when num_splits > 1); returns Triton's
-    compiled kernels (registers, shared memory; the merge entry is None when skipped)."""
+    """Launch the split kernel (and the merge kernel when num_splits > 1, and the prefix
+    kernel with ``shared``); returns Triton's compiled kernels (registers, shared memory;
+    the merge entry is None when skipped)."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     group = num_heads // num_kv_heads
-    direct = num_splits == 1
+    slots = num_splits + (0 if shared is None else shared.num_splits)
+    direct = slots == 1
     grid = (batch, num_kv_heads, num_splits)
     scales = (seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,
               seq_lens if v_mean is None else v_mean)  # fmt: skip
@@ -967,20 +1194,31 @@ def _launch(
     else:
         sink_args = (seq_lens, seq_lens, seq_lens) if sink is None else sink
         split = launch(_decode_split_kernel, grid,
-            q, k_pool, v_pool, page_table, seq_lens, out, part_out, part_lse, *scales, *sink_args,
-            scale * LOG2E, num_splits, *strides, HAS_SINK=sink is not None,
+            q, k_pool, v_pool, page_table, seq_lens, seq_lens if shared is None else shared.skip_lens,
+            out, part_out, part_lse, *scales, *sink_args,
+            scale * LOG2E, num_splits, slots, *strides, HAS_SINK=sink is not None,
             V_CHANNEL_MAJOR=channel_major(v_pool), VSTEP=min(page_size, config.block_n),
             QUANT=int(k_scale is not None),
             F16_DOT=_f16_dot(q.dtype, k_scale, config.fp8_compute),
             PAGES_AHEAD=config.pages_ahead, SAME_STRIDES=k_pool.stride() == v_pool.stride(),
-            **common,
+            HAS_SKIP=shared is not None, **common,
+        )  # fmt: skip
+    if shared is not None:
+        members = shared.chunk_rows.shape[1]
+        launch(_decode_prefix_kernel, (shared.chunk_rows.shape[0], num_kv_heads, shared.num_splits),
+            q, k_pool, v_pool, page_table, shared.chunk_rows, shared.chunk_keys, part_out, part_lse,
+            scale * LOG2E, shared.num_splits, slots, num_splits, *strides[:9],
+            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), MEMBERS=members,
+            BLOCK_N=PREFIX_CONFIG.block_n, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+            DOT_PRECISION=_dot_precision(q.dtype), num_warps=PREFIX_CONFIG.num_warps,
+            num_stages=PREFIX_CONFIG.num_stages,
         )  # fmt: skip
     merge = None
     if not direct:
         merge = launch(_decode_merge_kernel, (batch, num_heads),
-            part_out, part_lse, out, scales[2], num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            part_out, part_lse, out, scales[2], slots, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(slots),
             GROUP=group, CENTER=v_mean is not None,
-            num_warps=_merge_warps(head_dim, num_splits),
+            num_warps=_merge_warps(head_dim, slots),
         )  # fmt: skip
     return split, merge

@@ -186,7 +186,8 @@ async def _serve(args: ServerArgs) -> int:
     try:
         ready = await wait_ready(recv, lambda: _dead(procs), args.startup_timeout, args.dp_size)
         send = socks[0] if args.dp_size == 1 else DPRouter(socks, args.dp_routing, ready.max_total_tokens,
-                                                           ready.page_size, peer_hints=args.enable_peer_kv)
+                                                           ready.page_size, peer_hints=args.enable_peer_kv,
+                                                           balance_abs=args.dp_balance_abs)
         return await _run_http(args, ready, send, recv, procs)
     except SchedulerStartError as exc:
         logger.error("server failed to start: %s", exc)

@@ -245,6 +245,11 @@ class ServerArgs:
         "cache_aware", "How requests are spread over --dp-size replicas: cache_aware (SGLang's router: "
         "the replica already holding the longest prefix of the prompt, unless the loads are "
         "imbalanced, then the least loaded) or round_robin.", DP_ROUTING_POLICIES)
+    dp_balance_abs: int = _opt(
+        32, "cache_aware: loads are imbalanced (the least loaded replica takes the request, whatever "
+        "it caches) when the most loaded replica has more than this many more requests in flight "
+        "than the least loaded, and more than 1.0001 times as many (SGLang router's "
+        "--balance-abs-threshold).")
     dist_init_addr: str | None = _opt(
         None, "host:port of the torch.distributed rendezvous of tensor parallel ranks (replica i "
         "uses port + i; the replicas' peer KV tier, --enable-peer-kv, port + --dp-size). Default: a free "
@@ -326,6 +331,11 @@ class ServerArgs:
         "overlapping would only delay every token by a step."
     )
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
+    disable_cascade_attention: bool = _opt(
+        False, "Triton backend: no cascade decode. By default a decode step whose requests share long "
+        "cached prefixes (the same pages: a common system prompt, few-shot examples, the turns of "
+        "forked conversations) reads each shared page once per chunk of up to 16 of those requests "
+        "instead of once per request, and runs eagerly rather than from a CUDA graph (docs/EXECUTION.md).")
     cuda_graph_max_bs: int | None = _opt(
         None, "Largest decode batch replayed from a CUDA graph (default: --max-running-requests); "
         "larger steps run eagerly."
@@ -514,6 +524,8 @@ class ServerArgs:
     def _validate_parallel(self) -> None:
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("--tp-size and --dp-size must be >= 1")
+        if self.dp_balance_abs < 0:
+            raise ValueError(f"--dp-balance-abs must be >= 0, got {self.dp_balance_abs}")
         if self.dp_routing not in DP_ROUTING_POLICIES:
             raise ValueError(f"--dp-routing must be one of {', '.join(DP_ROUTING_POLICIES)}")
         if self.dist_init_addr is not None:

@@ -38,6 +38,10 @@ __all__ = [
 # <50 lost ~2; 4a7db11:BENCHMARKS.md). A pass whose launches are replayed
 # (``static_layers``) splits from one (BENCHMARKS.md "Piecewise CUDA graphs").
 MIXED_SPLIT_MIN_DECODES = 64
+# Cascade decode (``TritonAttentionBackend._cascade``): used when it saves at least this many
+# key reads per kv head and layer (sum over chunks of (members - 1) x shared keys). Below
+# it the prefix kernel's launch and the merge of one more slot cost about what they save.
+CASCADE_MIN_SAVED_KEYS = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +113,11 @@ class AttentionBackend(ABC):
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:  # noqa: B027 - optional hook
         """Per-pass setup hook; the default does nothing."""
+
+    def cascade_worth(self, page_tables: list[list[int]], pool: KVPool) -> bool:
+        """Whether a decode step over these requests' page tables may take cascade decode
+        (the model runner then runs it eagerly rather than from a decode graph). Default: no."""
+        return False
 
     def static_layers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       batch: ForwardBatch, pool: KVPool) -> Callable[[int], None]:
@@ -213,7 +222,10 @@ class TritonAttentionBackend(AttentionBackend):
     runner captures no graphs for such models, ``needs_reference``).
 
     Per layer: store_kv, then the split-KV decode kernel for a pure decode step or the
-    extend kernel otherwise (a mixed step with many leading decodes: both, ``_split_mixed``). The split count comes from the batch's host-side lengths once
+    extend kernel otherwise (a mixed step with many leading decodes: both, ``_split_mixed``).
+    Decode rows whose page tables share long prefixes (requests that matched the same cached
+    prefix) take cascade decode (``_cascade``): each chunk of up to 16 of them reads the
+    shared pages once. The split count comes from the batch's host-side lengths once
     per pass (no device sync): decode's in ``prepare``, the extend's (``extend_num_splits``:
     short extends over a long cached prefix take the split-KV extend path) in the first
     layer, which knows the query heads; that layer allocates the scratch, the others reuse it. Runs on CUDA; on CPU only under
@@ -233,10 +245,15 @@ class TritonAttentionBackend(AttentionBackend):
         self._max_seq = 0
         self._workspace: Any = None
         self._mixed: _MixedSplit | None = None  # a mixed pass's two launches (prepare)
+        self._shared: Any = None  # this pass's cascade decode plan (first layer), or False: none
+        # Cascade decode for decode rows whose pages share prefixes (``_cascade``);
+        # ``--disable-cascade-attention`` turns it off.
+        self.enable_cascade = True
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
         self._workspace = None
         self._mixed = None
+        self._shared = None
         max_seq = max(
             p + e for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True)
         )
@@ -308,15 +325,44 @@ class TritonAttentionBackend(AttentionBackend):
         ext_seq = max(p + e for p, e in zip(batch.prefix_lens_cpu[d:], lens[d:], strict=True))
         return _MixedSplit(d, splits, batch.cu_extend[d:] - d, max(lens[d:]), ext_seq)
 
-    def _scratch(self, rows: int, num_heads: int, head_dim: int) -> Any:
-        """The [rows, H, N, D] split scratch of this pass (None when N = 1)."""
-        shape = (rows, num_heads, self._num_splits)
+    def _scratch(self, rows: int, num_heads: int, head_dim: int, slots: int | None = None) -> Any:
+        """The [rows, H, slots, D] split scratch of this pass (slots: N by default; None
+        when 1)."""
+        slots = slots or self._num_splits
+        shape = (rows, num_heads, slots)
         work = self._workspace
-        if self._num_splits > 1 and (work is None or tuple(work.partial_lse.shape) != shape):
-            self._workspace = self._decode.DecodeWorkspace.allocate(  # [rows, H, N, D] scratch
-                rows, num_heads, self._num_splits, head_dim, self.device
+        if slots > 1 and (work is None or tuple(work.partial_lse.shape) != shape):
+            self._workspace = self._decode.DecodeWorkspace.allocate(  # [rows, H, slots, D] scratch
+                rows, num_heads, slots, head_dim, self.device
             )
         return self._workspace
+
+    def cascade_worth(self, page_tables: list[list[int]], pool: KVPool) -> bool:
+        """An upper bound on what cascade decode saves (``decode_attention.shared_prefix_bound``,
+        ~0.3 us a request) reaches ``CASCADE_MIN_SAVED_KEYS``, on a pool it serves."""
+        if not self.enable_cascade or pool.quantised or pool.tiered or pool.has_sink or len(page_tables) < 2:
+            return False
+        return self._decode.shared_prefix_bound(page_tables, pool.page_size) >= CASCADE_MIN_SAVED_KEYS
+
+    def _cascade(self, batch: ForwardBatch, pool: KVPool, rows: int, num_heads: int) -> Any:
+        """The cascade decode plan of decode rows 0..rows-1 of this pass
+        (``decode_attention.plan_shared_prefixes``, on the device, with the prefix kernel's
+        split count), or None: disabled, a quantised / tiered / sink pool, no host page
+        table, or fewer than ``CASCADE_MIN_SAVED_KEYS`` key reads saved. Planned once per
+        pass, by the first layer (it knows the query heads)."""
+        if self._shared is None:
+            self._shared = False
+            if (self.enable_cascade and rows >= 2 and batch.page_table_host is not None and not pool.quantised
+                    and not pool.tiered and not pool.has_sink):
+                seq = [p + 1 for p in batch.prefix_lens_cpu[:rows]]
+                plan = self._decode.plan_shared_prefixes(batch.page_table_host[:rows], seq, pool.page_size,
+                                                         num_heads // pool.num_kv_heads)  # fmt: skip
+                if plan is not None and plan.saved_keys >= CASCADE_MIN_SAVED_KEYS:
+                    longest = int(plan.chunk_keys.max())
+                    splits = self._decode.decode_num_splits(plan.chunk_rows.shape[0], pool.num_kv_heads, longest,
+                                                            self.device, self._decode.PREFIX_CONFIG)  # fmt: skip
+                    self._shared = plan.to(self.device, splits)
+        return self._shared or None
 
     def forward(
         self,
@@ -359,7 +405,9 @@ class TritonAttentionBackend(AttentionBackend):
                 batch.batch_size, q.shape[1], pool.num_kv_heads, max(batch.extend_lens_cpu),
                 self._max_seq, self.device,
             )  # fmt: skip
-        work = self._scratch(q.shape[0], q.shape[1], q.shape[2])
+        shared = self._cascade(batch, pool, batch.batch_size, q.shape[1]) if batch.is_decode else None
+        work = self._scratch(q.shape[0], q.shape[1], q.shape[2],
+                             None if shared is None else self._num_splits + shared.num_splits)
         if not batch.is_decode:  # channel means: decode adds v_mean in its epilogue
             out = self._extend_mod.extend_attention(
                 q, k_pool, v_pool, batch.page_table, batch.cu_extend, batch.prefix_lens,
@@ -370,7 +418,7 @@ class TritonAttentionBackend(AttentionBackend):
         return self._decode.decode_attention(
             q, k_pool, v_pool, batch.page_table, batch.seq_lens, scale,
             num_splits=self._num_splits, workspace=work, k_scale=k_scale, v_scale=v_scale,
-            tiered=tiered, v_mean=pool.v_mean[layer_id], sink=sink, out=out,
+            tiered=tiered, v_mean=pool.v_mean[layer_id], sink=sink, out=out, shared=shared,
         )  # fmt: skip
 
     def _forward_mixed(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
@@ -382,8 +430,10 @@ class TritonAttentionBackend(AttentionBackend):
         if mixed.ext_splits is None:  # first layer: it knows the query heads
             mixed.ext_splits = self._extend_mod.extend_num_splits(
                 batch.batch_size - d, heads, pool.num_kv_heads, mixed.max_extend, mixed.ext_seq, self.device)
-            if mixed.dec_splits > 1:
-                mixed.dec_work = self._decode.DecodeWorkspace.allocate(d, heads, mixed.dec_splits, head_dim,
+            shared = self._cascade(batch, pool, d, heads)
+            dec_slots = mixed.dec_splits + (0 if shared is None else shared.num_splits)
+            if dec_slots > 1:
+                mixed.dec_work = self._decode.DecodeWorkspace.allocate(d, heads, dec_slots, head_dim,
                                                                        self.device)  # fmt: skip
             if mixed.ext_splits > 1:
                 mixed.ext_work = self._decode.DecodeWorkspace.allocate(rows - d, heads, mixed.ext_splits, head_dim,
@@ -392,7 +442,7 @@ class TritonAttentionBackend(AttentionBackend):
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a view of the QKV rows
         self._decode.decode_attention(
             q[:d], k_pool, v_pool, batch.page_table[:d], batch.seq_lens[:d], scale, num_splits=mixed.dec_splits,
-            out=out[:d], workspace=mixed.dec_work)  # fmt: skip
+            out=out[:d], workspace=mixed.dec_work, shared=self._shared or None)  # fmt: skip
         self._extend_mod.extend_attention(
             q[d:], k_pool, v_pool, batch.page_table[d:], mixed.cu_extend, batch.prefix_lens[d:], scale,
             max_extend_len=mixed.max_extend, out=out[d:], num_splits=mixed.ext_splits, workspace=mixed.ext_work)

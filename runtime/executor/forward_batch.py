@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["ForwardBatch", "to_device"]
@@ -77,6 +78,9 @@ class ForwardBatch:
     sink_write_slots: torch.Tensor | None = None  # [W] int64, their slots
     # logits_rows is every row in order (0 .. T-1; a decode step): the model skips gathering them.
     logits_all: bool = False
+    # The page table on the host, [B, Pmax] int32 (a view of the buffer copied to page_table):
+    # cascade decode groups requests by their shared pages (``plan_shared_prefixes``).
+    page_table_host: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -161,4 +165,5 @@ class ForwardBatch:
             sink_rows=sink_rows_t if writes else None,
             sink_write_slots=sink_write_t if writes else None,
             logits_all=len(logits_rows) == len(flat_ids) and list(logits_rows) == list(range(len(flat_ids))),
+            page_table_host=np.frombuffer(table_flat, dtype=np.int32).reshape(b, max_pages),
         )

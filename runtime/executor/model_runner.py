@@ -97,6 +97,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.model = load_model(self.model_dir, self.dtype, self.device, args.attention_backend, args.load_format,
                                 tp=self.tp)
+        if isinstance(self.model.attn_backend, TritonAttentionBackend):
+            self.model.attn_backend.enable_cascade = not args.disable_cascade_attention
         self.num_params = sum(p.numel() for p in self.model.parameters())  # before packing any weights
         self.weight_dtype = resolve_weight_dtype(args.weight_dtype, args.model_path, self.device)
         if self.weight_dtype[0] != "model":
@@ -197,10 +199,11 @@ class ModelRunner:
             splits = warm_up_split_path(pool.k[0], self.num_heads, q_dtype, self.context_length, *scales,
                                         v_pool=pool.v[0])
         if not (pool.quantised or pool.tiered or pool.has_sink):  # the pools of the mixed decode split
-            decode_splits = warm_up_decode_path(pool.k[0], self.num_heads, q_dtype, self.context_length)
+            decode_splits = warm_up_decode_path(pool.k[0], self.num_heads, q_dtype, self.context_length,
+                                                cascade=self.model.attn_backend.enable_cascade)  # fmt: skip
         torch.cuda.synchronize(self.device)
-        logger.info("attention compiled (split-KV extend N %s, decode N %s) in %.1f s", splits, decode_splits,
-                    time.perf_counter() - start)
+        logger.info("attention compiled (split-KV extend N %s, decode N %s, cascade slots -N) in %.1f s",
+                    splits, decode_splits, time.perf_counter() - start)
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         """Decode CUDA graphs on a CUDA device with the Triton backend, unless disabled."""
@@ -619,6 +622,8 @@ class ModelRunner:
             tables.append(req.pages)
             reqs.append(req)
         pool = self.pool
+        if self.model.attn_backend.cascade_worth(tables, pool):  # eager, with cascade decode
+            return None
         sinks = [pool.sink_lookup(req.prompt_ids[0]) for req in reqs] if pool.has_sink else None
         return runner.replay(input_ids, positions, tables, src, reqs, sinks, steps), reqs
 

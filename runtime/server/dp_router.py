@@ -41,10 +41,11 @@ __all__ = ["BALANCE_ABS", "DP_ROUTING_POLICIES", "DPRouter"]
 class DPRouter:
     """Routes messages over ``socks`` (one per replica, in dp-rank order). ``capacity_tokens``:
     each replica's KV capacity (its tree is trimmed to it); ``page_size``: the radix pages;
-    ``peer_hints``: attach peer KV hints (module doc)."""
+    ``peer_hints``: attach peer KV hints (module doc); ``balance_abs``: cache_aware's load
+    imbalance bound (samples in flight, ``--dp-balance-abs``)."""
 
     def __init__(self, socks: list[Any], policy: str, capacity_tokens: int, page_size: int,
-                 peer_hints: bool = False) -> None:
+                 peer_hints: bool = False, balance_abs: int = BALANCE_ABS) -> None:
         if policy not in DP_ROUTING_POLICIES:
             raise ValueError(f"unknown --dp-routing {policy!r} (choices: {', '.join(DP_ROUTING_POLICIES)})")
         self.socks, self.policy, self.peer_hints = socks, policy, peer_hints
@@ -52,7 +53,7 @@ class DPRouter:
         self.loads = [0] * len(socks)  # samples in flight per replica
         self.routed = [0] * len(socks)  # samples sent per replica, ever
         self.where: dict[str, int] = {}  # sample id -> replica
-        self.cache_policy = CacheAwarePolicy(page_size, capacity_tokens)
+        self.cache_policy = CacheAwarePolicy(page_size, capacity_tokens, balance_abs=balance_abs)
         for replica in range(len(socks)):
             self.cache_policy.add(replica)
         self._turn = itertools.count()

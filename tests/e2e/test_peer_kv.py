@@ -1,11 +1,12 @@
 """The peer KV tier (--enable-peer-kv) end to end on the CPU, the longer runs (the fast
 ones share tests/e2e/test_data_parallel.py's server).
 
-* Load balance: a burst of one prompt fills the replica that holds it past the router's
-  balance bound; the overflow goes to the other replica with a hint, which loads the
-  prefix from the first instead of recomputing it. Every sample's greedy output is the
-  same whichever replica and cache tier served it; with a host tier under both replicas
-  (the received pages are written through like computed ones), invariants hold on both.
+* Load balance: the replica that holds a prompt's prefix is past the router's balance
+  bound (``--dp-balance-abs 0`` and one long request in flight there), so the prompt goes
+  to the other replica with a hint, which loads the prefix from the first instead of
+  recomputing it. Every sample's greedy output is the same whichever replica and cache
+  tier served it; with a host tier under both replicas (the received pages are written
+  through like computed ones), invariants hold on both.
 * SmolLM2-135M (the real model, fp32): a prompt loaded from the peer gives the greedy
   output of a single server computing it from scratch.
 """
@@ -31,26 +32,32 @@ def _internal(url: str) -> list[dict]:
 
 def test_the_load_balance_overflow_loads_the_prefix_from_the_peer(server_factory, tiny_model_dir, smollm2_dir,
                                                                   idle_invariants) -> None:
-    prompt = random.Random(46).choices(range(3, 256), k=180)
+    rng = random.Random(46)
+    prompt = rng.choices(range(3, 256), k=180)
+    holder = {"input_ids": rng.choices(range(3, 256), k=40), "data_parallel_rank": 0, "stream": True,
+              "sampling_params": {"temperature": 0, "max_new_tokens": 4000, "ignore_eos": True}}
     with server_factory(model_path=tiny_model_dir("llama"), tokenizer_path=smollm2_dir, dp_size=2, dtype="float32",
                         max_total_tokens=8192, max_running_requests=2, enable_peer_kv=True, hicache_ratio=2,
-                        peer_kv_min_wait_s=3, peer_kv_timeout_s=3,
+                        dp_balance_abs=0, peer_kv_min_wait_s=3, peer_kv_timeout_s=3,
                         # the tiny model recomputes 176 tokens about as fast as gloo moves them:
                         # the cost model's choice would follow the start-up rates of a busy box
                         hicache_load_policy="always") as srv:
         with srv.client() as client:
-            first = client.post("/generate", json={"input_ids": prompt, "sampling_params": SAMPLING}).json()
-
-            def one(_: int) -> dict:
+            def one(_: int = 0) -> dict:
                 return client.post("/generate", json={"input_ids": prompt, "sampling_params": SAMPLING}).json()
 
-            with ThreadPoolExecutor(48) as pool:  # > BALANCE_ABS (32) in flight on the replica holding it
-                outs = list(pool.map(one, range(48)))
+            first = client.post("/generate", json={"input_ids": prompt, "data_parallel_rank": 0,
+                                                   "sampling_params": SAMPLING}).json()
+            with client.stream("POST", "/generate", json=holder) as held:
+                next(held.iter_lines())  # in flight on replica 0: loads 1 vs 0 are imbalanced
+                overflow = one()  # -> replica 1, with the hint that replica 0 holds the prefix
+                with ThreadPoolExecutor(8) as pool:
+                    outs = [overflow, *pool.map(one, range(8))]
+            # closing the stream aborted the holder
         assert all(o["output_ids"] == first["output_ids"] for o in outs)
-        peer_tokens = [o["meta_info"]["cached_tokens_per_tier"]["peer"] for o in outs]
-        states = _internal(srv.url)
-        assert max(peer_tokens) == 176, (peer_tokens, [s["peer"] for s in states])  # 11 pages from the peer
+        assert overflow["meta_info"]["cached_tokens_per_tier"]["peer"] == 176, overflow["meta_info"]  # 11 pages
         assert all(o["meta_info"]["cached_tokens"] == 176 for o in outs)  # none recomputed it
+        states = _internal(srv.url)
         assert sum(s["peer"]["fetches_loaded"] for s in states) >= 1
         assert sum(s["peer"]["hit_tokens"] for s in states) >= 176
         assert all(s["num_waiting_reqs"] == 0 for s in states)

@@ -21,9 +21,11 @@ import torch
 pytest.importorskip("triton")
 
 from radixlm.kernels.decode_attention import (  # noqa: E402
+    PREFIX_CONFIG,
     decode_attention,
     decode_num_splits,
     merge_variants,
+    plan_shared_prefixes,
     warm_up_decode_path,
 )
 from radixlm.kernels.extend_attention import (  # noqa: E402
@@ -53,6 +55,9 @@ def test_warm_up_decode_path_runs_each_variant_and_only_reads() -> None:
     assert most == 16 or DEVICE == "cuda"
     assert warm_up_decode_path(pool, 2, torch.float32, 4096) == [1, *merge_variants(most, 32)]
     assert warm_up_decode_path(pool, 2, torch.float32, 64) == [1]  # one split of 64 keys
+    # cascade: merges of n - 1 suffix splits + 1 prefix split, n up to twice the most
+    assert warm_up_decode_path(pool, 2, torch.float32, 4096, cascade=True) == [
+        1, *merge_variants(most, 32), *[-n for n in merge_variants(2 * most, 32)]]
     assert torch.equal(pool, before)
 
 
@@ -84,13 +89,14 @@ def _compile_counter():
 def test_mixed_steps_compile_nothing_after_warm_up() -> None:
     """bf16 pool of the 8B shape's heads (32 query / 8 kv heads, D 128, 16-token pages):
     after the three warm-ups, mixed steps with 1..9 decodes over 1..40-page tables, each
-    decode split count ``decode_num_splits`` gives, and extend rows over no prefix and
-    over a cached one (both configs), compile no new binary."""
+    decode split count ``decode_num_splits`` gives, with and without cascade decode (the
+    decodes sharing their first pages), and extend rows over no prefix and over a cached
+    one (both configs), compile no new binary."""
     runtime, hook, compiled = _compile_counter()
     heads, kv_heads, dim, page = 32, 8, 128, 16
     pool = torch.randn(64, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     warm_up_extend_path(pool, heads, torch.bfloat16)
-    warm_up_decode_path(pool, heads, torch.bfloat16, 8192)
+    warm_up_decode_path(pool, heads, torch.bfloat16, 8192, cascade=True)
     warm_up_split_path(pool, heads, torch.bfloat16, 8192)
     torch.cuda.synchronize()
     old = runtime.jit_post_compile_hook
@@ -112,6 +118,14 @@ def test_mixed_steps_compile_nothing_after_warm_up() -> None:
                     splits = decode_num_splits(decodes, kv_heads, seq, pool.device)
                     decode_attention(q[:decodes], pool, pool, table[:decodes], seq_lens[:decodes], dim**-0.5,
                                      num_splits=splits, out=out[:decodes])
+                    if decodes >= 2 and width >= 2:  # the decodes share their first width // 2 pages
+                        table[1:decodes, : width // 2] = table[0, : width // 2]
+                        plan = plan_shared_prefixes(table[:decodes].cpu().numpy(), seq_lens[:decodes].cpu().numpy(),
+                                                    page, heads // kv_heads, min_shared_pages=1)
+                        nsp = decode_num_splits(plan.chunk_rows.shape[0], kv_heads, int(plan.chunk_keys.max()),
+                                                pool.device, PREFIX_CONFIG)
+                        decode_attention(q[:decodes], pool, pool, table[:decodes], seq_lens[:decodes], dim**-0.5,
+                                         num_splits=splits, out=out[:decodes], shared=plan.to("cuda", nsp))
                     cu = torch.tensor([0, extend], device="cuda", dtype=torch.int32)
                     extend_attention(q[decodes:], pool, pool, table[decodes:], cu, prefix_lens[decodes:], dim**-0.5,
                                      extend, out=out[decodes:])

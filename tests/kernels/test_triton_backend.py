@@ -173,6 +173,46 @@ def test_triton_backend_mixed_pass_runs_leading_decodes_through_the_decode_kerne
     assert backends["triton"]._mixed is None
 
 
+def test_triton_backend_cascade_decode_over_shared_prefix_pages(monkeypatch) -> None:
+    """Requests 1 and 2 extend over request 0's first 8 pages (as radix-cache hits do):
+    the decode pass, and the decode rows of a mixed pass, take cascade decode (a plan with
+    the three of them in one chunk sharing 32 keys) and match the torch backend; with
+    ``enable_cascade`` off (``--disable-cascade-attention``) or the plan saving fewer than
+    ``CASCADE_MIN_SAVED_KEYS`` key reads, no plan."""
+    pools = {name: KVPool(40, PAGE, 1, KV_HEADS, HEAD_DIM, torch.float32, DEVICE) for name in ("torch", "triton")}
+    backends = {"torch": TorchAttentionBackend(DEVICE), "triton": TritonAttentionBackend(DEVICE)}
+    shared = [5, 2, 9, 7, 11, 3, 14, 20]
+    tables = [shared + [21, 22, 23], shared + [24, 25], shared + [26, 27, 28, 29], [30, 31, 32, 33]]
+    passes = [
+        ForwardBatch.build([[1] * 41], [0], tables[:1], [40], PAGE, DEVICE),
+        ForwardBatch.build([[2] * 5, [3] * 14, [4] * 10], [32, 32, 0], tables[1:], [4, 18, 28], PAGE, DEVICE),
+        ForwardBatch.build([[5], [6], [7], [8]], [41, 37, 46, 10], tables, [0, 1, 2, 3], PAGE, DEVICE),
+        ForwardBatch.build([[9], [10], [11], [12] * 3], [42, 38, 47, 11], tables, [0, 1, 2, 5], PAGE, DEVICE),
+    ]
+    monkeypatch.setattr(attention, "CASCADE_MIN_SAVED_KEYS", 64)  # 2 x 32 keys saved
+    monkeypatch.setattr(attention, "MIXED_SPLIT_MIN_DECODES", 3)
+    plans = []
+    for seed, batch in enumerate(passes):
+        outs = {name: _step(backends[name], pools[name], batch, seed) for name in backends}
+        torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
+        plans.append(backends["triton"]._shared)
+    assert plans[0] is plans[1] is None  # no decode rows
+    for plan in plans[2:]:
+        assert sorted(plan.chunk_rows[0].tolist())[-3:] == [0, 1, 2] and plan.chunk_keys.tolist() == [32]
+        assert plan.skip_lens.tolist()[:3] == [32, 32, 32] and plan.saved_keys == 64
+    assert plans[3].skip_lens.shape == (3,)  # the mixed pass: its three decode rows
+    assert backends["triton"].cascade_worth([tables[0], tables[1], tables[2]], pools["triton"])
+    monkeypatch.setattr(attention, "CASCADE_MIN_SAVED_KEYS", 65)
+    backends["triton"].prepare(passes[2], pools["triton"])
+    _step(backends["triton"], pools["triton"], passes[2], 9)
+    assert backends["triton"]._shared is False
+    monkeypatch.setattr(attention, "CASCADE_MIN_SAVED_KEYS", 64)
+    backends["triton"].enable_cascade = False
+    _step(backends["triton"], pools["triton"], passes[2], 9)
+    assert backends["triton"]._shared is False
+    assert not backends["triton"].cascade_worth([tables[0], tables[1], tables[2]], pools["triton"])
+
+
 def test_registry_lists_triton_and_auto_picks_torch_on_cpu() -> None:
     assert attention_backend_choices() == ("auto", "torch", "triton")
     assert isinstance(create_attention_backend("auto", "cpu"), TorchAttentionBackend)
