@@ -42,6 +42,10 @@ MIXED_SPLIT_MIN_DECODES = 64
 # key reads per kv head and layer (sum over chunks of (members - 1) x shared keys). Below
 # it the prefix kernel's launch and the merge of one more slot cost about what they save.
 CASCADE_MIN_SAVED_KEYS = 16384
+# ... and only over prefixes of at least this many keys: one layer of 32 x 4 requests sharing
+# 512 keys took as long either way, 128 x 2 sharing 1024 keys 1.08x less with it, 64 x 11
+# sharing 2048 2.2x less (8B heads on an H100, bench/kernels/bench_cascade.py).
+CASCADE_MIN_SHARED_KEYS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +360,8 @@ class TritonAttentionBackend(AttentionBackend):
                     and not pool.tiered and not pool.has_sink):
                 seq = [p + 1 for p in batch.prefix_lens_cpu[:rows]]
                 plan = self._decode.plan_shared_prefixes(batch.page_table_host[:rows], seq, pool.page_size,
-                                                         num_heads // pool.num_kv_heads)  # fmt: skip
+                                                         num_heads // pool.num_kv_heads,
+                                                         -(-CASCADE_MIN_SHARED_KEYS // pool.page_size))  # fmt: skip
                 if plan is not None and plan.saved_keys >= CASCADE_MIN_SAVED_KEYS:
                     longest = int(plan.chunk_keys.max())
                     splits = self._decode.decode_num_splits(plan.chunk_rows.shape[0], pool.num_kv_heads, longest,

@@ -177,8 +177,9 @@ def test_triton_backend_cascade_decode_over_shared_prefix_pages(monkeypatch) -> 
     """Requests 1 and 2 extend over request 0's first 8 pages (as radix-cache hits do):
     the decode pass, and the decode rows of a mixed pass, take cascade decode (a plan with
     the three of them in one chunk sharing 32 keys) and match the torch backend; with
-    ``enable_cascade`` off (``--disable-cascade-attention``) or the plan saving fewer than
-    ``CASCADE_MIN_SAVED_KEYS`` key reads, no plan."""
+    ``enable_cascade`` off (``--disable-cascade-attention``), the plan saving fewer than
+    ``CASCADE_MIN_SAVED_KEYS`` key reads or sharing fewer than ``CASCADE_MIN_SHARED_KEYS``
+    keys, no plan."""
     pools = {name: KVPool(40, PAGE, 1, KV_HEADS, HEAD_DIM, torch.float32, DEVICE) for name in ("torch", "triton")}
     backends = {"torch": TorchAttentionBackend(DEVICE), "triton": TritonAttentionBackend(DEVICE)}
     shared = [5, 2, 9, 7, 11, 3, 14, 20]
@@ -190,6 +191,7 @@ def test_triton_backend_cascade_decode_over_shared_prefix_pages(monkeypatch) -> 
         ForwardBatch.build([[9], [10], [11], [12] * 3], [42, 38, 47, 11], tables, [0, 1, 2, 5], PAGE, DEVICE),
     ]
     monkeypatch.setattr(attention, "CASCADE_MIN_SAVED_KEYS", 64)  # 2 x 32 keys saved
+    monkeypatch.setattr(attention, "CASCADE_MIN_SHARED_KEYS", 32)
     monkeypatch.setattr(attention, "MIXED_SPLIT_MIN_DECODES", 3)
     plans = []
     for seed, batch in enumerate(passes):
@@ -207,6 +209,10 @@ def test_triton_backend_cascade_decode_over_shared_prefix_pages(monkeypatch) -> 
     _step(backends["triton"], pools["triton"], passes[2], 9)
     assert backends["triton"]._shared is False
     monkeypatch.setattr(attention, "CASCADE_MIN_SAVED_KEYS", 64)
+    monkeypatch.setattr(attention, "CASCADE_MIN_SHARED_KEYS", 33)  # 9 pages: more than the 8 shared
+    _step(backends["triton"], pools["triton"], passes[2], 9)
+    assert backends["triton"]._shared is False
+    monkeypatch.setattr(attention, "CASCADE_MIN_SHARED_KEYS", 32)
     backends["triton"].enable_cascade = False
     _step(backends["triton"], pools["triton"], passes[2], 9)
     assert backends["triton"]._shared is False
