@@ -458,7 +458,9 @@ def plan_shared_prefixes(page_table: np.ndarray, seq_lens: np.ndarray, page_size
 
     ``page_table`` [B, Pmax] int32 host array (rows padded with page 0), ``seq_lens`` [B]
     keys per request (the new token's included), ``group`` = G query heads per kv head.
-    Requests are grouped by their first page; within a group each one's shared pages are
+    Requests are grouped by their page at index ``min_shared_pages - 1`` (not the first: a
+    chat template's opening page is common to every conversation, so a group by the first
+    page would put unrelated prompts together); within a group each one's shared pages are
     the leading pages equal to those of the group's longest request, counting only pages
     wholly before its last key; requests sharing fewer than ``min_shared_pages`` stay out.
     A group is cut into balanced chunks of at most ``PREFIX_ROWS // next_power_of_2(G)``
@@ -473,8 +475,9 @@ def plan_shared_prefixes(page_table: np.ndarray, seq_lens: np.ndarray, page_size
     cand = np.flatnonzero(full >= min_shared_pages)
     if len(cand) < 2:
         return None
-    order = cand[np.lexsort((-full[cand], table[cand, 0]))]  # by first page, longest first
-    first = table[order, 0]
+    key = min_shared_pages - 1
+    order = cand[np.lexsort((-full[cand], table[cand, key]))]  # by the key page, longest first
+    first = table[order, key]
     starts = np.r_[True, first[1:] != first[:-1]]
     leader = order[np.flatnonzero(starts)[np.cumsum(starts) - 1]]
     most = int(full[order].max())
@@ -514,22 +517,24 @@ def plan_shared_prefixes(page_table: np.ndarray, seq_lens: np.ndarray, page_size
     return SharedPrefixes(torch.from_numpy(chunk_rows), torch.from_numpy(c_keys), torch.from_numpy(skip), saved)
 
 
-def shared_prefix_bound(page_tables: list[list[int]], page_size: int) -> int:
-    """An upper bound on ``plan_shared_prefixes(...).saved_keys`` for decode requests with
-    these page tables (each covering its sequence): per first page, the sum of its tables'
-    pages - 1 less the largest, times ``page_size`` (a chunk of m members sharing k pages
-    saves (m - 1) k, and every member has at least k pages before its last). A dict pass."""
-    firsts: dict[int, list[int]] = {}
+def shared_prefix_bound(page_tables: list[list[int]], page_size: int, min_shared_pages: int = 4) -> int:
+    """An upper bound on ``plan_shared_prefixes(..., min_shared_pages).saved_keys`` for decode
+    requests with these page tables (each covering its sequence): per page at index
+    ``min_shared_pages - 1``, the sum of its tables' pages - 1 less the largest, times
+    ``page_size`` (a chunk of m members sharing k pages saves (m - 1) k, and every member
+    has at least k pages before its last). A dict pass."""
+    key = min_shared_pages - 1
+    groups: dict[int, list[int]] = {}
     for pages in page_tables:
-        if pages:
+        if len(pages) > min_shared_pages:
             n = len(pages) - 1
-            seen = firsts.get(pages[0])
+            seen = groups.get(pages[key])
             if seen is None:
-                firsts[pages[0]] = [n, n]
+                groups[pages[key]] = [n, n]
             else:
                 seen[0] += n
                 seen[1] = max(seen[1], n)
-    return sum(total - most for total, most in firsts.values()) * page_size
+    return sum(total - most for total, most in groups.values()) * page_size
 
 
 @triton.jit

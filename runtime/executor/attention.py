@@ -342,11 +342,13 @@ class TritonAttentionBackend(AttentionBackend):
         return self._workspace
 
     def cascade_worth(self, page_tables: list[list[int]], pool: KVPool) -> bool:
-        """An upper bound on what cascade decode saves (``decode_attention.shared_prefix_bound``,
-        ~0.3 us a request) reaches ``CASCADE_MIN_SAVED_KEYS``, on a pool it serves."""
+        """An upper bound on what cascade decode saves over prefixes of at least
+        ``CASCADE_MIN_SHARED_KEYS`` (``decode_attention.shared_prefix_bound``, ~0.3 us a
+        request) reaches ``CASCADE_MIN_SAVED_KEYS``, on a pool it serves."""
         if not self.enable_cascade or pool.quantised or pool.tiered or pool.has_sink or len(page_tables) < 2:
             return False
-        return self._decode.shared_prefix_bound(page_tables, pool.page_size) >= CASCADE_MIN_SAVED_KEYS
+        least = -(-CASCADE_MIN_SHARED_KEYS // pool.page_size)
+        return self._decode.shared_prefix_bound(page_tables, pool.page_size, least) >= CASCADE_MIN_SAVED_KEYS
 
     def _cascade(self, batch: ForwardBatch, pool: KVPool, rows: int, num_heads: int) -> Any:
         """The cascade decode plan of decode rows 0..rows-1 of this pass

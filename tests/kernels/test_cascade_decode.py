@@ -81,6 +81,19 @@ def test_big_groups_are_cut_into_balanced_chunks_and_singles_are_dropped() -> No
     assert plan_shared_prefixes(_table(rows[-1:] + rows[:1]), np.array([65, 65]), 16, 8) is None
 
 
+def test_a_page_every_prompt_starts_with_does_not_make_one_group() -> None:
+    """A chat template's opening page (1) begins every table: two system prompts (pages
+    10.. and 20..) still make two chunks, and prompts sharing only that page none."""
+    rows = [[1, 10, 11, 12, 13, 50 + i] for i in range(3)] + [[1, 20, 21, 22, 23, 60 + i] for i in range(2)]
+    rows += [[1, 30 + i, 40 + i] for i in range(4)]
+    lens = np.array([len(r) * 4 for r in rows])
+    plan = plan_shared_prefixes(_table(rows), lens, page_size=4, group=4, min_shared_pages=3)
+    assert plan is not None and plan.chunk_keys.tolist() == [20, 20]
+    assert sorted(sorted(r for r in c.tolist() if r >= 0) for c in plan.chunk_rows) == [[0, 1, 2], [3, 4]]
+    assert plan.saved_keys == 3 * 20 and shared_prefix_bound(rows, 4, 3) >= plan.saved_keys
+    assert shared_prefix_bound(rows[5:], 4, 2) == 0  # only page 1 in common
+
+
 @st.composite
 def _tables(draw):
     """Page tables as a radix cache hands them out: a few prefixes (page runs), each request
@@ -96,15 +109,15 @@ def _tables(draw):
         fresh += own
         tables.append(pages)
         lens.append(draw(st.integers((len(pages) - 1) * page_size + 1, len(pages) * page_size)))
-    return tables, np.array(lens), page_size, draw(st.sampled_from([1, 3, 4, 8]))
+    return tables, np.array(lens), page_size, draw(st.sampled_from([1, 3, 4, 8])), draw(st.integers(1, 3))
 
 
 @settings(max_examples=150, deadline=None)
 @given(_tables())
 def test_every_chunk_shares_its_keys_and_the_bound_holds(case) -> None:
-    tables, lens, page_size, group = case
-    plan = plan_shared_prefixes(_table(tables), lens, page_size, group, min_shared_pages=1)
-    bound = shared_prefix_bound(tables, page_size)
+    tables, lens, page_size, group, least = case
+    plan = plan_shared_prefixes(_table(tables), lens, page_size, group, min_shared_pages=least)
+    bound = shared_prefix_bound(tables, page_size, least)
     if plan is None:
         return
     members = PREFIX_ROWS // {1: 1, 3: 4, 4: 4, 8: 8}[group]
@@ -113,7 +126,7 @@ def test_every_chunk_shares_its_keys_and_the_bound_holds(case) -> None:
     saved = 0
     for rows, keys in zip(plan.chunk_rows.tolist(), plan.chunk_keys.tolist(), strict=True):
         rows = [r for r in rows if r >= 0]
-        assert len(rows) >= 2 and keys > 0 and keys % page_size == 0
+        assert len(rows) >= 2 and keys >= least * page_size and keys % page_size == 0
         pages = keys // page_size
         assert all(tables[r][:pages] == tables[rows[0]][:pages] for r in rows)  # truly the same pages
         assert all(keys <= lens[r] - 1 for r in rows)  # the last key stays out
