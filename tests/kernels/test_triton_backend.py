@@ -274,6 +274,36 @@ def test_model_on_the_triton_backend_uses_fused_kernels_and_matches_torch(tiny_h
                                  + ["silu_mul_gemv"] * layers)  # fmt: skip
 
 
+def test_model_decode_step_over_shared_prefix_pages_takes_cascade_decode(tiny_hf_model, monkeypatch) -> None:
+    """The whole model on the Triton backend: request B extends over request A's first 4
+    pages (a radix-cache hit), then a decode step of A, B and an unrelated C takes cascade
+    decode (thresholds lowered) and gives the torch backend's logits."""
+    import random
+
+    from radixlm.runtime.executor.model_loader import load_model
+
+    monkeypatch.setattr(attention, "CASCADE_MIN_SAVED_KEYS", 16)
+    monkeypatch.setattr(attention, "CASCADE_MIN_SHARED_KEYS", 16)
+    model_dir = tiny_hf_model()[0]
+    models = {name: load_model(model_dir, torch.float32, DEVICE, name) for name in ("torch", "triton")}
+    rng = random.Random(1)
+    a, b_new, c = rng.choices(range(256), k=21), rng.choices(range(256), k=7), rng.choices(range(256), k=9)
+    tables = [[3, 7, 1, 9, 2, 11], [3, 7, 1, 9, 5, 6], [8, 10, 12]]
+    logits = {}
+    for name, model in models.items():
+        pool = KVPool(14, PAGE, model.config.num_hidden_layers, 2, 16, torch.float32, DEVICE)
+        with torch.inference_mode():
+            passes = [
+                ForwardBatch.build([a[:20], c[:8]], [0, 0], [tables[0], tables[2]], [19, 27], PAGE, DEVICE),
+                ForwardBatch.build([b_new[:6]], [16], [tables[1]], [5], PAGE, DEVICE),  # A's 16 keys cached
+                ForwardBatch.build([a[20:], b_new[6:], c[8:]], [20, 22, 8], tables, [0, 1, 2], PAGE, DEVICE),
+            ]
+            logits[name] = torch.cat([model.compute_logits(model(batch, pool)) for batch in passes])
+    plan = models["triton"].attn_backend._shared
+    assert plan and plan.chunk_keys.tolist() == [16] and plan.skip_lens.tolist() == [16, 16, 0]
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=2e-5, rtol=2e-5)
+
+
 def test_fused_rope_applies_the_pool_key_rotation(tiny_hf_model) -> None:
     """Head dim 64: the Triton model path (the rotation inside the fused RoPE launch) stores
     the same rotated keys as the PyTorch path (RoPE, then ``KVPool.rotate_qk``), keys @ R of
