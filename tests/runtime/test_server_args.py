@@ -66,6 +66,7 @@ def test_unusable_api_key_is_a_usage_error(monkeypatch, capsys, key):
     (["--tp-size", "3", "--dist-init-addr", "127.0.0.1:0"], "--dist-init-addr: ports 0..0"),
     (["--dp-size", "2", "--dist-init-addr", "127.0.0.1:65535"], "ports 65535..65536"),
     (["--dp-size", "2", "--enable-peer-kv", "--dist-init-addr", "h:65534"], "ports 65534..65536"),
+    (["--dp-size", "2", "--dp-balance-abs", "-1"], "--dp-balance-abs must be >= 0"),
 ])
 def test_limit_flags_out_of_range_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
