@@ -56,13 +56,12 @@ def test_cache_aware_balances_an_overloaded_replica() -> None:
     hot = placed[0]
     router.loads[hot] = BALANCE_ABS + 1
     assert router.pick(prefix + [99]) == 1 - hot
-    router.loads[hot] = BALANCE_ABS
-    assert router.pick(prefix + [98]) == hot
     # --dp-balance-abs 0: one sample more in flight is imbalanced already
     strict = DPRouter([_Sock(), _Sock()], "cache_aware", 1 << 20, page_size=4, balance_abs=0)
     held = strict.pick(prefix)
+    assert strict.pick(prefix + [1]) == held  # loads 0 and 0
     strict.loads[held] = 1
-    assert strict.pick(prefix + [1]) == 1 - held
+    assert strict.pick(prefix + [2]) == 1 - held
 
 
 def test_round_robin_alternates_and_broadcasts_control() -> None:
