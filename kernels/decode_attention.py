@@ -578,7 +578,7 @@ def _decode_split_kernel(
     CENTER: tl.constexpr, PAGES_AHEAD: tl.constexpr, SAME_STRIDES: tl.constexpr,
     HAS_SINK: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr, VSTEP: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, K, N). HAS_SKIP (cascade, ``SharedPrefixPlan``): request b's keys below
+    """Grid (B, K, N). HAS_SKIP (cascade, ``SharedPrefixes``): request b's keys below
     ``SkipLens[b]`` are the prefix kernel's; the N splits cover the rest, and the partials
     are ``num_slots`` per (request, head) row (the prefix kernel's after the N here; a
     request outside every chunk marks those empty)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from radixlm.radix import EVICTION_POLICIES
+from radixlm.radix.routing import BALANCE_ABS, BALANCE_REL
 
 # Choices of the flags whose registries live in the scheduler process's packages, spelled
 # here so that the tokenizer process, which reads this config, imports none of them;
@@ -246,9 +247,9 @@ class ServerArgs:
         "the replica already holding the longest prefix of the prompt, unless the loads are "
         "imbalanced, then the least loaded) or round_robin.", DP_ROUTING_POLICIES)
     dp_balance_abs: int = _opt(
-        32, "cache_aware: loads are imbalanced (the least loaded replica takes the request, whatever "
-        "it caches) when the most loaded replica has more than this many more requests in flight "
-        "than the least loaded, and more than 1.0001 times as many (SGLang router's "
+        BALANCE_ABS, "cache_aware: loads are imbalanced (the least loaded replica takes the request, "
+        "whatever it caches) when the most loaded replica has more than this many more requests in "
+        f"flight than the least loaded, and more than {BALANCE_REL} times as many (SGLang router's "
         "--balance-abs-threshold).")
     dist_init_addr: str | None = _opt(
         None, "host:port of the torch.distributed rendezvous of tensor parallel ranks (replica i "

@@ -347,8 +347,8 @@ class TritonAttentionBackend(AttentionBackend):
         request) reaches ``CASCADE_MIN_SAVED_KEYS``, on a pool it serves."""
         if not self.enable_cascade or pool.quantised or pool.tiered or pool.has_sink or len(page_tables) < 2:
             return False
-        least = -(-CASCADE_MIN_SHARED_KEYS // pool.page_size)
-        return self._decode.shared_prefix_bound(page_tables, pool.page_size, least) >= CASCADE_MIN_SAVED_KEYS
+        return (self._decode.shared_prefix_bound(page_tables, pool.page_size, _cascade_min_pages(pool))
+                >= CASCADE_MIN_SAVED_KEYS)
 
     def _cascade(self, batch: ForwardBatch, pool: KVPool, rows: int, num_heads: int) -> Any:
         """The cascade decode plan of decode rows 0..rows-1 of this pass
@@ -363,7 +363,7 @@ class TritonAttentionBackend(AttentionBackend):
                 seq = [p + 1 for p in batch.prefix_lens_cpu[:rows]]
                 plan = self._decode.plan_shared_prefixes(batch.page_table_host[:rows], seq, pool.page_size,
                                                          num_heads // pool.num_kv_heads,
-                                                         -(-CASCADE_MIN_SHARED_KEYS // pool.page_size))  # fmt: skip
+                                                         _cascade_min_pages(pool))  # fmt: skip
                 if plan is not None and plan.saved_keys >= CASCADE_MIN_SAVED_KEYS:
                     longest = int(plan.chunk_keys.max())
                     splits = self._decode.decode_num_splits(plan.chunk_rows.shape[0], pool.num_kv_heads, longest,
@@ -468,6 +468,11 @@ class _MixedSplit:
     ext_splits: int | None = None  # set by the first layer
     dec_work: Any = None
     ext_work: Any = None
+
+
+def _cascade_min_pages(pool: KVPool) -> int:
+    """``CASCADE_MIN_SHARED_KEYS`` in whole pages of ``pool``."""
+    return -(-CASCADE_MIN_SHARED_KEYS // pool.page_size)
 
 
 def _sink(k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool
