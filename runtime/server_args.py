@@ -36,6 +36,7 @@ PREEMPTION_POLICIES = ("lru", "longest", "importance")  # scheduler.preemption
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # scheduler.planner
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")  # scheduler.waiting_order
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # scheduler.hicache
+HICACHE_IO_BACKENDS = ("kernel", "direct")  # memory.host_pool.IO_BACKENDS
 HICACHE_LOAD_POLICIES = ("cost_model", "always")  # memory.cost_model.TierCostModel.always_load
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # "auto" + text.tool_parsers
 DP_ROUTING_POLICIES = ("cache_aware", "round_robin")  # server.dp_router
@@ -309,6 +310,13 @@ class ServerArgs:
         "tier bandwidths measured at start-up (cost_model), or every one (always: a disk prefetch "
         "then waits up to --hicache-prefetch-timeout-s, not just the recompute time).",
         HICACHE_LOAD_POLICIES)
+    hicache_io_backend: str = _opt(
+        "kernel", "How host-tier pages are loaded onto the device: 'kernel' (a Triton kernel reads "
+        "the pinned host rows directly, layer by layer, and each layer's attention waits only for "
+        "its own pages, so the load overlaps the forward; float / FP8 pools on CUDA) or 'direct' "
+        "(copies into a staging buffer, then a scatter; the forward waits for the whole load). "
+        "int4 / mixed pools and the CPU always load 'direct'.",
+        HICACHE_IO_BACKENDS)
     hicache_prefetch_timeout_s: float = _opt(
         5.0, "Longest a waiting request waits for its disk pages before it is admitted and "
         "recomputes the rest (it also never waits longer than recomputing them would take).")

@@ -231,7 +231,7 @@ def test_cli_choices_match_registries():
     from radixlm.radix import EVICTION_POLICIES
     from radixlm.runtime import server_args
     from radixlm.runtime.executor.attention import attention_backend_choices
-    from radixlm.runtime.memory import kv_formats
+    from radixlm.runtime.memory import host_pool, kv_formats
     from radixlm.runtime.scheduler import hicache, planner, preemption, waiting_order
     from radixlm.runtime.server_args import ServerArgs
     from radixlm.runtime.text import tool_parsers
@@ -248,6 +248,7 @@ def test_cli_choices_match_registries():
     assert fields["preemption_mode"].metadata["choices"] == planner.PREEMPTION_MODES
     assert fields["schedule_policy"].metadata["choices"] == waiting_order.SCHEDULE_POLICIES
     assert fields["hicache_write_policy"].metadata["choices"] == hicache.WRITE_POLICIES
+    assert fields["hicache_io_backend"].metadata["choices"] == host_pool.IO_BACKENDS
     assert fields["tool_call_parser"].metadata["choices"] == ("auto", *tool_parsers.TOOL_CALL_PARSERS)
 
 

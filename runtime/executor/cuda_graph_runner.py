@@ -366,6 +366,7 @@ class CudaGraphRunner:
         if steps > 1:
             self._stage_window(host, positions, page_tables, slots, steps, self._turn ^ 1)
         self._window = (1, steps, bs, b)
+        self.pool.await_loads()  # a whole-model graph waits for every layer of a load in flight
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
 
@@ -397,6 +398,7 @@ class CudaGraphRunner:
 
         Returns logits [B, V] float32 as ``replay``. Raises RuntimeError past the window's
         last step."""
+        self.pool.await_loads()
         step, steps, bs, b = self._window
         if step >= steps:
             raise RuntimeError(f"step {step} of a window of {steps}: nothing staged")
@@ -434,6 +436,7 @@ class CudaGraphRunner:
         Pmax; ``fits_extend`` tells beforehand). ``sink_slot``: the request's exact sink
         slot (-1 none); the graph only reads it (a pass that writes a sink slot runs eagerly).
         """
+        self.pool.await_loads()
         t = len(input_ids)
         tg = self.extend_bucket(t) if t >= 2 else None
         if tg is None:

@@ -346,6 +346,7 @@ class ModelRunner:
                 self._sync()
                 start = time.perf_counter()
                 host_pool.load(rows, device_pages)
+                self.pool.await_loads()  # a layer-wise load: no forward consumes this one
                 self._sync()
                 rates["host"] = pages * host_pool.page_bytes / max(time.perf_counter() - start, 1e-9)
             if disk is not None:
@@ -634,8 +635,8 @@ class ModelRunner:
         (``CudaGraphRunner.fits_extend``), sampling after the last and scoring no prompt
         token; else None."""
         runner = self.graph_runner
-        if runner is None or not runner.extend_sizes or len(items) != 1 or inflight:
-            return None
+        if runner is None or not runner.extend_sizes or len(items) != 1 or inflight or self.pool.loads_pending:
+            return None  # a host-tier load in flight: the eager / piecewise path overlaps it layer by layer
         it = items[0]
         if not it.samples or not runner.fits_extend(it.start, it.num_tokens) or self._prompt_positions(it):
             return None

@@ -140,6 +140,7 @@ class PiecewiseGraphs:
         attend = attn.attn_backend.static_layers(q, k, v, self.o[:t].view(q.shape), batch, self.pool)
         self._run(0, tg, graphs)
         for i in range(self.num_layers):
+            self.pool.await_loads(i)  # layer i's pages of a host-tier load in flight
             attend(i)
             self._run(i + 1, tg, graphs)
         hidden = self.hidden[:t]

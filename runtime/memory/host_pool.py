@@ -13,8 +13,18 @@ shape, format, FP8 scales, channel means and key rotation. Exact sink slots
 On CUDA the copies run on the host pool's own stream and are batched: a save gathers the
 pages of every layer into one device staging buffer [n, page_bytes] (one ``index_select``
 per layer tensor, writing straight into the staging rows), then copies runs of consecutive
-host rows device -> host; a load does the reverse. The host memory is pinned, so both
-directions are asynchronous.
+host rows device -> host. The host memory is pinned, so both directions are asynchronous.
+A load (``io_backend``, ``--hicache-io-backend``):
+
+* ``kernel`` (float / FP8 pools on CUDA): layer by layer, one Triton launch per layer
+  tensor reads the pages' columns straight from the pinned rows into the pool
+  (``kernels.kv_transfer``: zero-copy over PCIe, no staging buffer), an event recorded
+  after each layer; the forward waits for layer l's event just before layer l's
+  attention (``KVPool.expect_loads`` / ``await_loads``), so the load of later layers
+  overlaps the compute of earlier ones.
+* ``direct`` (and int4 / mixed pools, and the CPU): copies runs of consecutive host rows
+  host -> device into a staging buffer, scatters it (one ``index_copy_`` per layer
+  tensor), and the next forward waits for the whole load.
 """
 
 from __future__ import annotations
@@ -27,7 +37,9 @@ import torch
 from radixlm.runtime.memory.kv_pool import KVPool
 from radixlm.runtime.memory.page_records import PageRecords, record_bytes
 
-__all__ = ["HostKVPool", "host_page_bytes"]
+__all__ = ["IO_BACKENDS", "HostKVPool", "host_page_bytes"]
+
+IO_BACKENDS = ("kernel", "direct")  # how a load moves (module doc)
 
 
 def host_page_bytes(pool: KVPool) -> int:
@@ -61,12 +73,17 @@ class HostKVPool:
     stream sees a load. The caller must not read or rewrite a row being saved before
     ``wait_saves``, nor rewrite a row being loaded before ``load_event``.
 
-    Raises ValueError if ``num_pages`` < 1.
+    ``io_backend`` (``IO_BACKENDS``): how loads move (module doc); ``layerwise`` says
+    whether loads go layer by layer (``kernel`` on CUDA for float / FP8 pools).
+
+    Raises ValueError if ``num_pages`` < 1 or ``io_backend`` is unknown.
     """
 
-    def __init__(self, device_pool: KVPool, num_pages: int) -> None:
+    def __init__(self, device_pool: KVPool, num_pages: int, io_backend: str = "kernel") -> None:
         if num_pages < 1:
             raise ValueError(f"a host KV pool needs at least 1 page, got {num_pages}")
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"unknown host KV I/O backend {io_backend!r}; choose from {IO_BACKENDS}")
         pool = self.pool = device_pool
         self.num_pages = num_pages
         self.records = PageRecords(pool)
@@ -78,6 +95,10 @@ class HostKVPool:
         self.stream = torch.cuda.Stream(pool.device) if self.cuda else None
         self.save_event = torch.cuda.Event() if self.cuda else None  # recorded by each save
         self.load_event = torch.cuda.Event() if self.cuda else None  # recorded by each load
+        self.layerwise = self.cuda and io_backend == "kernel" and not pool.tiered
+        if self.layerwise:
+            self._columns = [self.records.layer_columns(layer) for layer in range(pool.num_layers)]
+            self._layer_events = [torch.cuda.Event() for _ in range(pool.num_layers)]
 
     @property
     def total_bytes(self) -> int:
@@ -134,11 +155,13 @@ class HostKVPool:
         lose any FP8 slot they had (``KVPool.release_fp8_slots``) and read as INT4.
 
         On CUDA on ``self.stream`` after waiting for the current stream (so slot moves and
-        earlier readers of the pages come first): one host -> device copy per run of
-        consecutive host rows into a staging buffer, then one ``index_copy_`` per layer
-        tensor; records ``load_event`` and makes the current stream wait for it (the next
-        forward sees the data). Saves still in flight to these rows are on the same stream,
-        so they land first. On CPU synchronous.
+        earlier readers of the pages come first), records ``load_event`` after it; saves
+        still in flight to these rows are on the same stream, so they land first.
+        ``layerwise``: one ``kernels.kv_transfer`` launch per layer tensor, an event per
+        layer handed to ``KVPool.expect_loads`` (the forward waits layer by layer).
+        Otherwise one host -> device copy per run of consecutive host rows into a staging
+        buffer, one ``index_copy_`` per layer tensor, and the current stream waits for the
+        whole load. On CPU synchronous.
         Raises ValueError on lists of different lengths, an id out of range, a repeated
         device page or device page 0 (the dummy); RuntimeError if a tiered pool has fewer
         FP8 slots than flagged pages."""
@@ -163,6 +186,19 @@ class HostKVPool:
         assert self.stream is not None and self.load_event is not None
         current = torch.cuda.current_stream(pool.device)
         self.stream.wait_stream(current)
+        if self.layerwise:
+            from radixlm.kernels.kv_transfer import load_page_columns  # Triton: CUDA hosts only
+
+            with torch.cuda.stream(self.stream):  # index tensors allocated on (and freed to) this stream
+                rows = torch.tensor(host_pages, dtype=torch.int64).to(pool.device, non_blocking=True)
+                pages = torch.tensor(device_pages, dtype=torch.int64).to(pool.device, non_blocking=True)
+                for columns, event in zip(self._columns, self._layer_events, strict=True):
+                    for dst, offset in columns:
+                        load_page_columns(self.data, rows, pages, dst, offset)
+                    event.record(self.stream)
+                self.load_event.record(self.stream)
+            pool.expect_loads(self._layer_events)
+            return
         with torch.cuda.stream(self.stream):
             staging = torch.empty((n, self.page_bytes), dtype=torch.uint8, device=pool.device)
             for i, j, h in _runs(host_pages):

@@ -272,6 +272,7 @@ class KVPool:
         self.sink_v = torch.zeros(sink_shape, dtype=torch.float32, device=self.device)
         self._sink_of: dict[int, int] = {}  # first token id -> slot
         self._sink_free = list(range(self.sink_slots - 1, -1, -1))  # unclaimed slots, lowest last
+        self._loads: Sequence[torch.cuda.Event] | None = None  # a layer-wise load in flight (expect_loads)
 
     @property
     def has_sink(self) -> bool:
@@ -602,12 +603,46 @@ class KVPool:
         size = self.page_size
         return self.fp8_slot[out_slots // size].long() * size + out_slots % size
 
+    # ------------------------------------------------------- layer-wise loads
+    def expect_loads(self, events: Sequence[torch.cuda.Event]) -> None:
+        """A copy into some pages runs on another stream layer by layer (the host tier's
+        ``--hicache-io-backend kernel``): layer l's pages are written once ``events[l]``
+        (L events, recorded in layer order on one stream) has completed. The forward waits
+        for each layer just before its attention (``await_loads(layer)``), so layer l + 1
+        loads while layer l computes. A new call replaces the events (a later load on the
+        same stream completes after the earlier ones).
+        Raises ValueError unless there is one event per layer."""
+        if len(events) != self.num_layers:
+            raise ValueError(f"{len(events)} load events for {self.num_layers} layers")
+        self._loads = events
+
+    @property
+    def loads_pending(self) -> bool:
+        """Whether a layer-wise load may still be in flight for the next forward (a step
+        that replays a whole-model CUDA graph cannot wait layer by layer and skips it)."""
+        return self._loads is not None
+
+    def await_loads(self, layer: int | None = None) -> None:
+        """Make the current stream wait for layer ``layer``'s pages of the load in flight
+        (``expect_loads``), or for every layer (None: readers of pages other than the
+        forward, e.g. a gather or a swap-out). A wait for every layer, or the forward's
+        wait for its last layer, ends the load's pending state. A no-op when none is in
+        flight (always on the CPU)."""
+        events = self._loads
+        if events is None:
+            return
+        last = layer is None or layer == self.num_layers - 1
+        torch.cuda.current_stream(self.device).wait_event(events[-1] if last else events[layer])
+        if last:
+            self._loads = None
+
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         """Copy ``pages`` of every layer to host memory (pinned on CUDA, so the copy is
         asynchronous on the current stream) -> ``[layers, 2, n, S, K, D]`` in the pool
         dtype; [:, 0] is K, [:, 1] is V. Used to swap a preempted request out.
         Raises ValueError for int4 / mixed pools (swap is refused for them at start-up)."""
         self._check_swappable()
+        self.await_loads()
         index = torch.tensor(pages, dtype=torch.int64, device=self.device)
         shape = (self.num_layers, 2, len(pages), self.page_size, self.num_kv_heads, self.head_dim)
         host = torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")

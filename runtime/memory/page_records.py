@@ -105,6 +105,16 @@ class PageRecords:
             self.flag_offset, self._slot_segments = -1, []
         assert end == self.page_bytes, (end, self.page_bytes)
 
+    def layer_columns(self, layer: int) -> list[tuple[torch.Tensor, int]]:
+        """Float / FP8 pools: layer ``layer``'s pool tensors (K, then V: [P, S, K, D]) with
+        the byte offset of their columns in a record (a record holds layer l's K then V
+        after layers 0 .. l-1). Raises ValueError for int4 / mixed pools."""
+        if self.pool.tiered:
+            raise ValueError("int4 / mixed records are not laid out layer by layer")
+        pool = self.pool
+        return [(t[layer], offset) for t, (_, offset, _) in
+                zip((pool.k, pool.v), self._page_segments[2 * layer:2 * layer + 2], strict=True)]
+
     def gather(self, device_pages: Sequence[int], slots: Sequence[int] | None = None) -> torch.Tensor:
         """The records of ``device_pages`` as a new uint8 tensor [n, page_bytes] on the pool's
         device, enqueued on the current stream. ``slots`` (int4 / mixed pools only): each

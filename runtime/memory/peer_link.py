@@ -184,6 +184,7 @@ class PeerKVLink:
     def stage(self, device_pages: Sequence[int]) -> torch.Tensor:
         """The records of ``device_pages``, gathered into a new staging tensor [n, B] on the
         current stream: the pages may be rewritten or freed as soon as this returns."""
+        self.pool.await_loads()  # pages a layer-wise host-tier load may still be writing
         return self.records.gather(device_pages)
 
     def post_send(self, dst: int, staging: torch.Tensor, tag: int) -> PeerTransfer:

@@ -679,7 +679,7 @@ def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCa
     if rows < 1:
         raise ValueError(f"the host KV tier holds no page: {args.hicache_host_bytes(runner.pool.total_bytes)} "
                          f"bytes < one page of {page_bytes} bytes (raise --hicache-size-gb / --hicache-ratio)")
-    host = HostKVPool(runner.pool, rows + 1)  # row 0 unused (PageAllocator)
+    host = HostKVPool(runner.pool, rows + 1, args.hicache_io_backend)  # row 0 unused (PageAllocator)
     disk = None
     if args.hicache_storage_dir is not None:
         disk = DiskStore(args.hicache_storage_dir, runner.kv_identity(), args.page_size, page_bytes,
@@ -700,7 +700,7 @@ def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCa
         "host_pages": rows, "disk_pages": disk.capacity_pages if disk else 0, "page_bytes": page_bytes,
         "disk_pages_indexed": indexed, "read_bytes_per_s": costs.read_bytes_per_s,
         "recompute_flops_per_s": costs.compute.flops_per_s, "write_policy": args.hicache_write_policy,
-        "load_policy": args.hicache_load_policy}
+        "load_policy": args.hicache_load_policy, "io_backend": "kernel" if host.layerwise else "direct"}
     return hicache
 
 

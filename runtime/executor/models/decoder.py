@@ -150,6 +150,7 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = pool.rotate_qk(apply_rope(q, *cos_sin), apply_rope(k, *cos_sin))
+        pool.await_loads(self.layer_id)  # this layer's pages of a host-tier load in flight
         o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool, kv_stored=kv_stored)  # [T, H, D]
         out = _linear(self.o_proj, o.reshape(qkv.shape[0], -1), cos_sin is None)  # [T, H*D] -> [T, E]
         return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums

@@ -75,7 +75,7 @@ def _assert_same(a: dict, b: dict) -> None:
             assert value == b[key], key
 
 
-def _round_trip(kind: str, dtype: torch.dtype, page_size: int, device: str) -> None:
+def _round_trip(kind: str, dtype: torch.dtype, page_size: int, device: str, io_backend: str = "kernel") -> None:
     pool = _pool(kind, dtype, page_size, device)
     src, dst = [3, 4, 5, 9, 12, 13], [20, 7, 8, 2, 15, 23]
     if pool.tiered:
@@ -86,7 +86,8 @@ def _round_trip(kind: str, dtype: torch.dtype, page_size: int, device: str) -> N
     if pool.tiered:
         assert [r["fp8"] for r in expected] == [False, True, False, True, False, True]
 
-    host = HostKVPool(pool, 12)
+    host = HostKVPool(pool, 12, io_backend)
+    assert host.layerwise == (device == "cuda" and io_backend == "kernel" and not pool.tiered)
     assert host.data.shape == (12, host_page_bytes(pool)) and host.data.dtype == torch.uint8
     assert host.data.is_pinned() == (device == "cuda")
     rows = [10, 1, 2, 6, 3, 8]  # runs [1, 2, 3] and [6], out of order
@@ -94,18 +95,21 @@ def _round_trip(kind: str, dtype: torch.dtype, page_size: int, device: str) -> N
     host.wait_saves()
     _fill_random(pool, seed=99)  # the device pages change after the save; the host rows do not
     host.load(rows, dst)
+    assert pool.loads_pending == host.layerwise
+    pool.await_loads()  # readers other than the forward wait for every layer
     for page, want in zip(dst, expected, strict=True):
         _assert_same(_record(pool, page), want)
     pool.check_invariants()
 
     # Raw rows (a disk tier's path) into a second host pool, loaded into a second device pool.
     other = _pool(kind, dtype, page_size, device)
-    host2 = HostKVPool(other, 8)
+    host2 = HostKVPool(other, 8, io_backend)
     rows2 = [7, 5, 4, 3, 1, 2]
     for h, h2 in zip(rows, rows2, strict=True):
         host2.write_row(h2, bytes(host.row(h)))
     dst2 = [1, 2, 3, 4, 5, 6]
     host2.load(rows2, dst2)
+    other.await_loads()
     for page, want in zip(dst2, expected, strict=True):
         _assert_same(_record(other, page), want)
     other.check_invariants()
@@ -118,9 +122,40 @@ def test_save_load_round_trip_is_bitwise(kind: str, dtype: torch.dtype, page_siz
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 @pytest.mark.parametrize(("kind", "dtype", "page_size"), KINDS, ids=KIND_IDS)
-def test_save_load_round_trip_on_gpu(kind: str, dtype: torch.dtype, page_size: int) -> None:
-    _round_trip(kind, dtype, page_size, "cuda")
+def test_save_load_round_trip_on_gpu(kind: str, dtype: torch.dtype, page_size: int, io_backend: str) -> None:
+    _round_trip(kind, dtype, page_size, "cuda", io_backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layerwise_load_is_awaited_layer_by_layer() -> None:
+    """With the copy stream held back (a long kernel queued on it first), a layer-wise load
+    is still in flight when ``load`` returns; ``await_loads(layer)`` makes the current
+    stream see that layer's pages, and the wait for the last layer ends the pending state."""
+    pool = KVPool(64, 16, 4, 2, 64, torch.bfloat16, "cuda", "auto")
+    host = HostKVPool(pool, 32)
+    assert host.layerwise
+    for layer in range(4):
+        pool.k[layer][1:9] = layer + 1.0
+        pool.v[layer][1:9] = -(layer + 1.0)
+    host.save(list(range(1, 9)), list(range(1, 9)))
+    host.wait_saves()
+    for layer in range(4):
+        pool.k[layer][9:17] = 0.0
+        pool.v[layer][9:17] = 0.0
+    with torch.cuda.stream(host.stream):
+        torch.cuda._sleep(20_000_000)  # hold the copy stream back
+    host.load(list(range(1, 9)), list(range(9, 17)))
+    assert pool.loads_pending
+    for layer in range(4):
+        pool.await_loads(layer)
+        assert bool((pool.k[layer][9:17] == layer + 1.0).all())
+        assert bool((pool.v[layer][9:17] == -(layer + 1.0)).all())
+        assert pool.loads_pending == (layer < 3)
+    with pytest.raises(ValueError, match="load events"):
+        pool.expect_loads([])
 
 
 @pytest.mark.gpu
@@ -142,6 +177,7 @@ def test_gpu_copies_are_ordered_with_the_current_stream() -> None:
         pool.k[layer][41:64].zero_()
         pool.v[layer][41:64].zero_()
     host.load(list(range(63, 40, -1)), list(range(41, 64)))  # rows of pages 1..23
+    pool.await_loads()  # what every forward layer does for its own layer
     for layer in range(4):
         assert bool((pool.k[layer][41:64] == layer + 1.0).all())
         assert bool((pool.v[layer][41:64] == -(layer + 1.0)).all())
@@ -236,6 +272,9 @@ def test_argument_errors() -> None:
         host.load([1], [0])
     with pytest.raises(ValueError, match="at least 1 page"):
         HostKVPool(pool, 0)
+    with pytest.raises(ValueError, match="I/O backend"):
+        HostKVPool(pool, 4, "memcpy")
+    assert not HostKVPool(_pool("bf16", torch.float32, 4), 4, "kernel").layerwise  # CPU: direct copies
     host.save([], [])  # nothing to do
     host.load([], [])
     host.wait_saves()  # a no-op on the CPU
