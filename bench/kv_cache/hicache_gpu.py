@@ -2,7 +2,8 @@
 
 ``ttft``: time to first token of a prompt of L tokens (4K, 16K, 32K) whose cached prefix
 comes from the device pool (L1), the host tier (L3: pushed out of the device by filler
-prompts first; a host tier of ``--ttft-host-gb`` holds them all, the warm-ups flushed), the disk tier (L4: a
+prompts first, ``--l3-reps`` times; a host tier of ``--ttft-host-gb`` holds them all, the
+warm-ups flushed; once per ``--io-backends`` value), the disk tier (L4: a
 second server on the same storage folder after the first one stopped, with the page files
 dropped from the OS page cache; once with ``--hicache-load-policy cost_model``, which loads
 only where loading beats recomputing by the bandwidths it measured, and once with
@@ -12,8 +13,9 @@ tiers' bandwidths measured at start-up are recorded.
 
 ``multiturn``: many conversations at once (SGLang's bench_multiturn shape): C clients,
 each T turns of a Q-token question and an A-token answer, the prompt being the whole
-history; clients run closed-loop, all at once, so a client's history has left the device
-pool by its next turn (the working set is several times the pool). Throughput and TTFT
+history; clients run closed-loop, at most ``--max-parallel`` requests in flight, so a
+client's history has left the device pool by its next turn (the working set is several
+times the pool). Throughput and TTFT
 p50 / p99 for the device pool only (L1), with a host tier holding the working set
 (L1+L3), and with a smaller host tier plus the disk tier (L1+L3+L4).
 
@@ -85,28 +87,33 @@ def run_ttft(model: Path, args: argparse.Namespace, out: dict, save) -> None:
     prompts = {n: ids(rng, n, args.vocab) for n in args.lengths}
     tiers = dict(hicache_size_gb=args.ttft_host_gb, hicache_storage_dir=str(store), hicache_storage_size_gb=args.disk_gb)
     rows = out.setdefault("ttft", [])
-    with server(model, args, **tiers) as srv:
-        out["tiers"] = srv.tm.ready.hicache
-        for n in prompts:
-            for _ in range(2):  # compile / warm up at this length
-                first_token(srv, ids(rng, n, args.vocab))
-        srv.post("/flush_cache", {})  # the warm-ups leave the device and host tiers (the disk keeps them)
-        for n, prompt in prompts.items():
-            t, meta = first_token(srv, prompt)
-            rows.append(dict(tokens=n, source="recompute", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
-            t, meta = first_token(srv, prompt)
-            rows.append(dict(tokens=n, source="L1", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
-            print(json.dumps(rows[-2:]), flush=True)
-        filled, size = 0, min(8192, args.context_length - 16, args.device_tokens // 2)
-        while filled < 1.25 * args.device_tokens:  # push the prompts' pages down to the host
-            first_token(srv, ids(rng, size, args.vocab))
-            filled += size
-        for n, prompt in prompts.items():
-            t, meta = first_token(srv, prompt)
-            rows.append(dict(tokens=n, source="L3", ttft_s=t, cached=meta["cached_tokens_per_tier"]))
-            print(json.dumps(rows[-1]), flush=True)
-        save(out)
-    for policy in ("cost_model", "always"):  # the cost model may find the disk slower than recomputing
+    for io in args.io_backends:  # recompute, L1 and L3 with each way of loading host pages
+        shutil.rmtree(store, ignore_errors=True)  # the L4 part reads the last server's pages
+        with server(model, args, hicache_io_backend=io, **tiers) as srv:
+            out.setdefault("tiers_by_io_backend", {})[io] = srv.tm.ready.hicache
+            for n in prompts:
+                for _ in range(2):  # compile / warm up at this length
+                    first_token(srv, ids(rng, n, args.vocab))
+            srv.post("/flush_cache", {})  # the warm-ups leave the device and host tiers (the disk keeps them)
+            for n, prompt in prompts.items():
+                for source in ("recompute", "L1"):
+                    t, meta = first_token(srv, prompt)
+                    rows.append(dict(tokens=n, source=source, io_backend=io, ttft_s=t,
+                                     cached=meta["cached_tokens_per_tier"]))
+                print(json.dumps(rows[-2:]), flush=True)
+            for n, prompt in prompts.items():
+                for _ in range(args.l3_reps):
+                    filled, size = 0, min(8192, args.context_length - 16, args.device_tokens // 2)
+                    while filled < 1.25 * args.device_tokens:  # push the prompts' pages down to the host
+                        first_token(srv, ids(rng, size, args.vocab))
+                        filled += size
+                    t, meta = first_token(srv, prompt)
+                    rows.append(dict(tokens=n, source="L3", io_backend=io, ttft_s=t,
+                                     cached=meta["cached_tokens_per_tier"]))
+                    print(json.dumps(rows[-1]), flush=True)
+            srv.post("/flush_cache", {})
+            save(out)
+    for policy in args.l4_policies:  # the cost model may find the disk slower than recomputing
         out.setdefault("page_files_dropped_from_page_cache", []).append(drop_page_cache(store))
         with server(model, args, hicache_load_policy=policy, **tiers) as srv:
             out.setdefault("l4_tiers", {})[policy] = srv.tm.ready.hicache
@@ -156,28 +163,35 @@ def _conversations(srv: LocalServer, args: argparse.Namespace) -> dict:
     prompt_tokens = output_tokens = cached = 0
     lock = threading.Lock()
 
-    def client(c: int) -> None:
+    slots = threading.Semaphore(args.max_parallel or args.clients)  # requests in flight at most
+
+    def turn(history: list[int]) -> list[int]:
+        """One request over the whole history; returns the answer's tokens."""
         nonlocal prompt_tokens, output_tokens, cached
+        start = time.perf_counter()
+        first = None
+        tokens: list[int] = []
+        meta = {}
+        for event in srv.stream("/generate", {"input_ids": history, "stream": True, "sampling_params": {
+                "temperature": 0, "max_new_tokens": args.answer, "ignore_eos": True}}):
+            if first is None and event.get("output_ids"):
+                first = time.perf_counter() - start
+            tokens = event.get("output_ids", tokens)
+            meta = event.get("meta_info", meta)
+        with lock:
+            ttfts.append(first if first is not None else time.perf_counter() - start)
+            prompt_tokens += len(history)
+            output_tokens += len(tokens)
+            cached += meta.get("cached_tokens", 0)
+        return tokens
+
+    def client(c: int) -> None:
         rng = random.Random(100 + c)
         history: list[int] = []
         for _ in range(args.turns):
             history += ids(rng, args.question, args.vocab)
-            start = time.perf_counter()
-            first = None
-            tokens: list[int] = []
-            meta = {}
-            for event in srv.stream("/generate", {"input_ids": history, "stream": True, "sampling_params": {
-                    "temperature": 0, "max_new_tokens": args.answer, "ignore_eos": True}}):
-                if first is None and event.get("output_ids"):
-                    first = time.perf_counter() - start
-                tokens = event.get("output_ids", tokens)
-                meta = event.get("meta_info", meta)
-            with lock:
-                ttfts.append(first if first is not None else time.perf_counter() - start)
-                prompt_tokens += len(history)
-                output_tokens += len(tokens)
-                cached += meta.get("cached_tokens", 0)
-            history += tokens
+            with slots:
+                history += turn(history)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
@@ -187,8 +201,8 @@ def _conversations(srv: LocalServer, args: argparse.Namespace) -> dict:
         t.join()
     wall = time.perf_counter() - start
     ttfts.sort()
-    return dict(clients=args.clients, turns=args.turns, question=args.question, answer=args.answer,
-                device_tokens=args.device_tokens, wall_s=wall, requests=len(ttfts),
+    return dict(clients=args.clients, max_parallel=args.max_parallel, turns=args.turns, question=args.question,
+                answer=args.answer, device_tokens=args.device_tokens, wall_s=wall, requests=len(ttfts),
                 output_tok_s=output_tokens / wall, prompt_tok_s=prompt_tokens / wall,
                 cache_hit_rate=cached / max(prompt_tokens, 1),
                 ttft_p50_s=statistics.median(ttfts), ttft_p99_s=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))])
@@ -204,17 +218,23 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--context-length", type=int, default=34000)
     ap.add_argument("--device-tokens", type=int, default=36864, help="device KV pool (tokens)")
+    ap.add_argument("--io-backends", nargs="+", default=["kernel", "direct"],
+                    help="--hicache-io-backend values of the ttft part's recompute / L1 / L3 rows")
+    ap.add_argument("--l4-policies", nargs="*", default=["cost_model", "always"],
+                    help="--hicache-load-policy values of the L4 rows (none: no L4 rows)")
+    ap.add_argument("--l3-reps", type=int, default=3, help="L3 measurements per prompt (fillers between)")
     ap.add_argument("--ttft-host-gb", type=float, default=16.0,
                     help="host tier of the ttft part: holds its prompts and fillers (~13 GB of 8B KV)")
-    ap.add_argument("--host-gb", type=float, default=16.0, help="host tier holding the working set")
-    ap.add_argument("--small-host-gb", type=float, default=4.0, help="host tier of the L1+L3+L4 run")
+    ap.add_argument("--host-gb", type=float, default=40.0, help="host tier holding the working set")
+    ap.add_argument("--small-host-gb", type=float, default=8.0, help="host tier of the L1+L3+L4 run")
     ap.add_argument("--disk-gb", type=float, default=30.0)
     ap.add_argument("--storage-dir", default="/tmp/radixlm-kv")
-    ap.add_argument("--multiturn-device-tokens", type=int, default=16384,
+    ap.add_argument("--multiturn-device-tokens", type=int, default=36864,
                     help="device KV pool (tokens) of the multi-turn runs")
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--question", type=int, default=1536)
+    ap.add_argument("--clients", type=int, default=80)
+    ap.add_argument("--max-parallel", type=int, default=16, help="requests in flight at most (0: every client)")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--question", type=int, default=512)
     ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=["L1", "L1+L3", "L1+L3+L4"])
     ap.add_argument("--out", type=Path, default=Path("bench/results"))

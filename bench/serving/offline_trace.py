@@ -26,6 +26,12 @@ runner (CUDA graphs, pool) is built once from ``--server-args``, except that
 piecewise graphs. A variant may repeat (a
 warm-up, a rerun). Without ``--variant`` one run of ``--server-args``.
 
+``--dataset-name gsp``: the generated shared prefix instead (``--gsp-*``: 64 groups x 16
+questions, a 2048-token system prompt, 128-token questions, 256 new tokens, as
+side_by_side.py's ``gsp``), token-id prompts. Every run records each request's time to
+its first token in the scheduler's outbox (TTFT without HTTP) and each step's prompt
+tokens computed, so a slow median TTFT at request rate inf can be traced to its steps.
+
 On the CPU (``GPU_E2E_DEVICE=cpu``) use a tiny shape and few prompts (a dry run).
 """
 
@@ -48,7 +54,7 @@ sys.path[:0] = [str(BENCH / d) for d in ("e2e",)]
 from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
 
 from radixlm.runtime import messages as m  # noqa: E402
-from radixlm.runtime.bench.datasets import sharegpt_requests  # noqa: E402
+from radixlm.runtime.bench.datasets import shared_prefix_requests, sharegpt_requests  # noqa: E402
 from radixlm.runtime.bench.sharegpt import iter_records  # noqa: E402
 from radixlm.runtime.executor.model_runner import ModelRunner  # noqa: E402
 from radixlm.runtime.scheduler.scheduler import Scheduler, freeze_startup_objects  # noqa: E402
@@ -75,11 +81,14 @@ def timed(fn, acc: dict, name: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer-dir", type=Path, required=True)
-    ap.add_argument("--dataset-path", required=True)
+    ap.add_argument("--dataset-path", help="ShareGPT records (--dataset-name sharegpt)")
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--models-root", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--server-args", default="", help="launch_server flags (after --model-path)")
     ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--dataset-name", choices=("sharegpt", "gsp"), default="sharegpt")
+    ap.add_argument("--gsp", type=int, nargs=5, default=[64, 16, 2048, 128, 256],
+                    metavar=("GROUPS", "PER_GROUP", "SYSTEM", "QUESTION", "OUTPUT"))
     ap.add_argument("--seed", type=int, default=1, help="as gpu_serving.py's (the same prompts)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="skip the scheduler's start-up gc.freeze (freeze_startup_objects), for an A/B")
@@ -93,12 +102,16 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
-    requests = sharegpt_requests(list(iter_records(args.dataset_path)), tokenizer, args.num_prompts, args.seed)
+    if args.dataset_name == "gsp":
+        requests = shared_prefix_requests(*args.gsp, seed=args.seed)
+        args.num_prompts = len(requests)
+    else:
+        requests = sharegpt_requests(list(iter_records(args.dataset_path)), tokenizer, args.num_prompts, args.seed)
     model_dir, model = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root / "bfloat16")
     del model
     base = ["--model-path", str(model_dir), "--device", DEVICE, *args.server_args.split()]
     runner = ModelRunner(ServerArgs.parse(base))
-    prompts = [tokenizer.encode(r.prompt) for r in requests]
+    prompts = [tokenizer.encode(r.prompt) if isinstance(r.prompt, str) else list(r.prompt) for r in requests]
     variants = [v.partition("=")[::2] for v in args.variant] or [("", "")]
     args.out.mkdir(parents=True, exist_ok=True)
     for i, (tag, flags) in enumerate(variants):
@@ -114,7 +127,7 @@ def main() -> None:
         finally:
             runner.piecewise = pieces
         summary = {"device": DEVICE, "shape": args.shape, "server_args": " ".join(base[4:]) + " " + flags,
-                   "variant": tag, "order": i, "num_prompts": args.num_prompts, **summary}
+                   "dataset": args.dataset_name, "variant": tag, "order": i, "num_prompts": args.num_prompts, **summary}
         name = (tag or "_".join(args.server_args.replace("--", "").split()) or "default") + (
             "_nogcfreeze" if args.no_gc_freeze else "")
         if tag and [t for t, _ in variants[:i]].count(tag):
@@ -163,9 +176,11 @@ def trace(sched: Scheduler, msgs: list, no_gc_freeze: bool) -> tuple[dict, list[
     for g in msgs:
         sched.handle(g)
     out_tokens = 0
+    first: dict[str, float] = {}  # rid -> seconds to its first token in the outbox
     while sched.has_work:
-        t0, busy0, steps0, decode0 = (time.perf_counter(), counters["busy_s"], counters["steps"],
-                                      counters["decode_steps"])
+        t0, busy0, steps0, decode0, computed0, first0 = (
+            time.perf_counter(), counters["busy_s"], counters["steps"], counters["decode_steps"],
+            counters["prefill_computed"], len(first))
         batch = len(sched.planner.running)
         gc_before = sum(gc_s)
         for name in phase_s:
@@ -176,10 +191,16 @@ def trace(sched: Scheduler, msgs: list, no_gc_freeze: bool) -> tuple[dict, list[
             m.encode(batch_out)
             out_tokens += len(batch_out.token_ids) + sum(len(o.new_token_ids) for o in batch_out.outputs)
         t1 = time.perf_counter()
+        if batch_out is not None:  # a request's first output is never in the columns
+            for o in batch_out.outputs:
+                if o.new_token_ids and o.rid not in first:
+                    first[o.rid] = t1 - start
         if counters["steps"] > steps0:
             rows.append({"t": t0 - start, "wall_s": t1 - t0, "running_before": batch,
                          "decode": counters["decode_steps"] > decode0, "busy_s": counters["busy_s"] - busy0,
                          "wait_s": sched._waited, "running_after": len(sched.planner.running),
+                         "prompt_tokens": counters["prefill_computed"] - computed0,
+                         "first_tokens": len(first) - first0,
                          "gc_s": sum(gc_s) - gc_before, **phase_s})
     total = time.perf_counter() - start
     gc.callbacks.remove(on_gc)
@@ -210,11 +231,21 @@ def trace(sched: Scheduler, msgs: list, no_gc_freeze: bool) -> tuple[dict, list[
         "output_throughput": round(out_tokens / total, 1),
         "prefill_steps": part([r for r in rows if not r["decode"]]), "decode_steps": part(decode),
         "decode_by_running": buckets, "outside_steps_s": round(total - sum(r["wall_s"] for r in rows), 3),
+        "ttft_s": _percentiles(sorted(first.values())),
         "gc": {"collections": gc_n, "seconds": [round(x, 3) for x in gc_s], "frozen": gc.get_freeze_count(),
                "tracked_objects_at_end": len(gc.get_objects())},
         "cuda_allocator": mem,
     }
     return summary, rows
+
+
+def _percentiles(values: list[float]) -> dict:
+    """Median, p90, p99 and max of sorted ``values`` (seconds, rounded to ms)."""
+    if not values:
+        return {}
+    pick = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+    out = {k: round(values[min(len(values) - 1, int(q * len(values)))], 3) for k, q in pick.items()}
+    return {"n": len(values), **out, "max": round(values[-1], 3)}
 
 
 if __name__ == "__main__":
