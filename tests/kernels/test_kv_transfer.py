@@ -2,7 +2,8 @@
 ``PageRecords.scatter``: every KV format that loads layer by layer (bf16 / fp32 pages, FP8
 with row-major or channel-major V, pages of odd byte sizes), rows and pages out of order,
 every other page left exactly as it was, and the argument errors. On a GPU the records sit
-in pinned host memory (the zero-copy path); on the CPU under the interpreter.
+in pinned host memory (the zero-copy path); on the CPU under the interpreter. On a GPU
+also the whole model: an extend over pages still being loaded layer by layer.
 
 Dimension letters: L layers, K kv heads, D head dim, P pages, S page size.
 """
@@ -104,3 +105,42 @@ def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="1-byte"):
         load_page_columns(host, ids, ids, pool.k[0].transpose(1, 2), 0)
     load_page_columns(host, ids[:0], ids[:0], pool.k[0], 0)  # no pages: nothing launched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="layer-wise loads run on CUDA (pinned host rows)")
+def test_model_extend_over_pages_loaded_layer_by_layer_matches_the_original_pages(tiny_hf_model) -> None:
+    """A prefix's pages saved to the host tier and loaded into other pages layer by layer,
+    the copy stream held back so the load is still in flight when the forward is queued:
+    the extend over the loaded pages waits for each layer and gives the logits of the same
+    extend over the original pages (the pool is NaN-filled: an unloaded page would show)."""
+    import random
+
+    from radixlm.runtime.executor.forward_batch import ForwardBatch
+    from radixlm.runtime.executor.model_loader import load_model
+    from radixlm.runtime.memory.host_pool import HostKVPool
+
+    model = load_model(tiny_hf_model()[0], torch.float32, DEVICE, "triton")
+    layers = model.config.num_hidden_layers
+    pool = KVPool(16, 4, layers, 2, 16, torch.float32, DEVICE)
+    for t in [*pool.k, *pool.v]:
+        t[1:].fill_(float("nan"))
+    host = HostKVPool(pool, 8)
+    assert host.layerwise
+    ids = random.Random(2).choices(range(256), k=21)
+    logits = []
+    with torch.inference_mode():
+        model(ForwardBatch.build([ids[:16]], [0], [[3, 7, 1, 9]], [15], 4, DEVICE), pool)
+        host.save([3, 7, 1, 9], [1, 2, 3, 4])
+        extend = ForwardBatch.build([ids[16:]], [16], [[3, 7, 1, 9, 2]], [4], 4, DEVICE)
+        logits.append(model.compute_logits(model(extend, pool)))
+        host.wait_saves()
+        with torch.cuda.stream(host.stream):
+            torch.cuda._sleep(20_000_000)  # the load is still in flight when the forward is queued
+        host.load([1, 2, 3, 4], [5, 6, 10, 11])
+        assert pool.loads_pending
+        extend = ForwardBatch.build([ids[16:]], [16], [[5, 6, 10, 11, 12]], [4], 4, DEVICE)
+        logits.append(model.compute_logits(model(extend, pool)))
+    assert not pool.loads_pending  # the last layer's wait ended it
+    assert bool(torch.isfinite(logits[1]).all())
+    torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)
