@@ -29,6 +29,7 @@ A load (``io_backend``, ``--hicache-io-backend``):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,6 +41,7 @@ from radixlm.runtime.memory.page_records import PageRecords, record_bytes
 __all__ = ["IO_BACKENDS", "HostKVPool", "host_page_bytes"]
 
 IO_BACKENDS = ("kernel", "direct")  # how a load moves (module doc)
+logger = logging.getLogger("radixlm.hicache")
 
 
 def host_page_bytes(pool: KVPool) -> int:
@@ -95,7 +97,7 @@ class HostKVPool:
         self.stream = torch.cuda.Stream(pool.device) if self.cuda else None
         self.save_event = torch.cuda.Event() if self.cuda else None  # recorded by each save
         self.load_event = torch.cuda.Event() if self.cuda else None  # recorded by each load
-        self.layerwise = self.cuda and io_backend == "kernel" and not pool.tiered
+        self.layerwise = self.cuda and io_backend == "kernel" and not pool.tiered and self._kernel_reads_host()
         if self.layerwise:
             self._columns = [self.records.layer_columns(layer) for layer in range(pool.num_layers)]
             self._layer_events = [torch.cuda.Event() for _ in range(pool.num_layers)]
@@ -211,6 +213,23 @@ class HostKVPool:
         """Block until every save issued so far is in host memory (a no-op on CPU)."""
         if self.save_event is not None:
             self.save_event.synchronize()
+
+    def _kernel_reads_host(self) -> bool:
+        """Whether the load kernel can read this pinned memory on this device: one launch
+        copying row 0 (unused, zeroed) into the zero dummy page 0's layer-0 K. A platform
+        whose Triton refuses host pointers falls back to ``direct`` copies (logged)."""
+        from radixlm.kernels.kv_transfer import load_page_columns  # Triton: CUDA hosts only
+
+        self.data[0].zero_()
+        zero = torch.zeros(1, dtype=torch.int64, device=self.pool.device)
+        try:
+            load_page_columns(self.data, zero, zero, self.records.layer_columns(0)[0][0], 0)
+            torch.cuda.synchronize(self.pool.device)
+        except (ValueError, RuntimeError) as e:  # Triton's "cannot be accessed from Triton"
+            logger.warning("host KV tier: the load kernel cannot read pinned host memory here (%s); "
+                           "loading with direct copies", e)
+            return False
+        return True
 
     # ---------------------------------------------------------------- raw rows
     def row(self, host_page: int) -> memoryview:
