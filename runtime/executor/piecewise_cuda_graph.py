@@ -138,11 +138,11 @@ class PiecewiseGraphs:
         attn = self.layers[0].self_attn
         q, k, v = attn.heads(self.qkv[:t])  # views of the static buffers: the same every layer
         attend = attn.attn_backend.static_layers(q, k, v, self.o[:t].view(q.shape), batch, self.pool)
-        self._run(0, tg, graphs)
-        for i in range(self.num_layers):
+        for i in range(self.num_layers):  # piece i stores layer i's K / V, then its attention reads them
             self.pool.await_loads(i)  # layer i's pages of a host-tier load in flight
+            self._run(i, tg, graphs)
             attend(i)
-            self._run(i + 1, tg, graphs)
+        self._run(self.num_layers, tg, graphs)
         hidden = self.hidden[:t]
         return hidden if batch.logits_all else hidden[batch.logits_rows]
 

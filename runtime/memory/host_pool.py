@@ -73,7 +73,7 @@ class HostKVPool:
     the current stream before it, and kernels enqueued after it see the pages only once
     they are gathered (so the pages may be freed at once); the next forward on the current
     stream sees a load. The caller must not read or rewrite a row being saved before
-    ``wait_saves``, nor rewrite a row being loaded before ``load_event``.
+    ``wait_saves``, nor rewrite a row being loaded before ``wait_saves`` either.
 
     ``io_backend`` (``IO_BACKENDS``): how loads move (module doc); ``layerwise`` says
     whether loads go layer by layer (``kernel`` on CUDA for float / FP8 pools).
@@ -210,22 +210,24 @@ class HostKVPool:
         current.wait_stream(self.stream)
 
     def wait_saves(self) -> None:
-        """Block until every save issued so far is in host memory (a no-op on CPU)."""
+        """Block until every save issued so far is in host memory, and every load issued so
+        far has read its rows (so rows may be read or rewritten; a no-op on CPU)."""
         if self.save_event is not None:
             self.save_event.synchronize()
+            self.load_event.synchronize()
 
     def _kernel_reads_host(self) -> bool:
         """Whether the load kernel can read this pinned memory on this device: one launch
         copying row 0 (unused, zeroed) into the zero dummy page 0's layer-0 K. A platform
         whose Triton refuses host pointers falls back to ``direct`` copies (logged)."""
-        from radixlm.kernels.kv_transfer import load_page_columns  # Triton: CUDA hosts only
-
         self.data[0].zero_()
         zero = torch.zeros(1, dtype=torch.int64, device=self.pool.device)
         try:
+            from radixlm.kernels.kv_transfer import load_page_columns  # Triton: CUDA hosts only
+
             load_page_columns(self.data, zero, zero, self.records.layer_columns(0)[0][0], 0)
             torch.cuda.synchronize(self.pool.device)
-        except (ValueError, RuntimeError) as e:  # Triton's "cannot be accessed from Triton"
+        except (ImportError, ValueError, RuntimeError) as e:  # no Triton; "cannot be accessed from Triton"
             logger.warning("host KV tier: the load kernel cannot read pinned host memory here (%s); "
                            "loading with direct copies", e)
             return False

@@ -608,8 +608,9 @@ class KVPool:
         """A copy into some pages runs on another stream layer by layer (the host tier's
         ``--hicache-io-backend kernel``): layer l's pages are written once ``events[l]``
         (L events, recorded in layer order on one stream) has completed. The forward waits
-        for each layer just before its attention (``await_loads(layer)``), so layer l + 1
-        loads while layer l computes. A new call replaces the events (a later load on the
+        for each layer before the layer writes or reads its pages (``await_loads(layer)``),
+        so layer l + 1 loads while layer l computes; other readers and writers of pages wait
+        for the whole load. A new call replaces the events (a later load on the
         same stream completes after the earlier ones).
         Raises ValueError unless there is one event per layer."""
         if len(events) != self.num_layers:
@@ -631,6 +632,8 @@ class KVPool:
         events = self._loads
         if events is None:
             return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a CUDA graph capture while a layer-wise KV load is in flight")
         last = layer is None or layer == self.num_layers - 1
         torch.cuda.current_stream(self.device).wait_event(events[-1] if last else events[layer])
         if last:
@@ -656,6 +659,7 @@ class KVPool:
         """Inverse of ``read_pages``: ``host`` ``[layers, 2, len(pages), S, K, D]`` into
         ``pages``. Raises ValueError on a shape or dtype mismatch or an int4 / mixed pool."""
         self._check_swappable()
+        self.await_loads()  # a layer-wise load into pages reused since must land first
         expected = (self.num_layers, 2, len(pages), self.page_size, self.num_kv_heads, self.head_dim)
         if tuple(host.shape) != expected:
             raise ValueError(f"host KV shape {tuple(host.shape)} != {expected}")

@@ -223,6 +223,7 @@ class PeerKVLink:
             return
         if self.backend == "nccl":
             transfer.work.wait()  # the current stream waits for the NCCL stream
+        self.pool.await_loads()  # a layer-wise host-tier load into pages reused since lands first
         self.records.scatter(transfer.staging[skip : skip + len(device_pages)], device_pages)
 
     def close(self) -> None:

@@ -150,7 +150,6 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = pool.rotate_qk(apply_rope(q, *cos_sin), apply_rope(k, *cos_sin))
-        pool.await_loads(self.layer_id)  # this layer's pages of a host-tier load in flight
         o = self.attn_backend.forward(q, k, v, self.layer_id, batch, pool, kv_stored=kv_stored)  # [T, H, D]
         out = _linear(self.o_proj, o.reshape(qkv.shape[0], -1), cos_sin is None)  # [T, H*D] -> [T, E]
         return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
@@ -362,12 +361,14 @@ class DecoderModel(nn.Module):
         if self.fused:
             residual = None
             for layer in self.layers:
+                pool.await_loads(layer.self_attn.layer_id)  # its pages of a host-tier load in flight
                 x, residual = layer.forward_fused(x, residual, batch, pool)
             if not batch.logits_all:
                 x, residual = x[batch.logits_rows], residual[batch.logits_rows]
             return _fused_ops().fused_add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
         tables = self.rope_tables(batch.positions, x.dtype)
         for layer in self.layers:
+            pool.await_loads(layer.self_attn.layer_id)  # before the layer writes or reads its pages
             x = layer(x, tables, batch, pool)
         return self.norm(x if batch.logits_all else x[batch.logits_rows])  # [N, E]
 

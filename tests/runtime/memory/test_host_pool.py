@@ -162,8 +162,9 @@ def test_layerwise_load_is_awaited_layer_by_layer() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_copies_are_ordered_with_the_current_stream() -> None:
     """A save sees a kernel enqueued just before it, and a kernel enqueued just after it
-    does not change what it saves; the current stream sees a load without any explicit
-    synchronisation; many pages and layers in one batch."""
+    does not change what it saves; the current stream sees a load once it waited for the
+    pool's loads (``await_loads``: every forward layer does for its own layer); many pages
+    and layers in one batch."""
     pool = KVPool(64, 16, 4, 2, 64, torch.bfloat16, "cuda", "auto")
     host = HostKVPool(pool, 64)
     pages = list(range(1, 41))
