@@ -11,6 +11,10 @@ only where loading beats recomputing by the bandwidths it measured, and once wit
 whole request here (``max_new_tokens`` 1, no HTTP), so TTFT = the request's latency. The
 tiers' bandwidths measured at start-up are recorded.
 
+``load``: host -> device load time of N pages (``--load-pages``; 256 pages of the 8B
+shape = a 4K prefix, 512 MiB) with each ``--io-backends`` value, the pool alone (no model):
+median of 5 loads, each timed to the device synchronising, and the bandwidth it gives.
+
 ``multiturn``: many conversations at once (SGLang's bench_multiturn shape): C clients,
 each T turns of a Q-token question and an A-token answer, the prompt being the whole
 history; clients run closed-loop, at most ``--max-parallel`` requests in flight, so a
@@ -128,6 +132,37 @@ def run_ttft(model: Path, args: argparse.Namespace, out: dict, save) -> None:
     shutil.rmtree(store, ignore_errors=True)
 
 
+def run_load(args: argparse.Namespace, out: dict, save) -> None:
+    import torch
+
+    from radixlm.runtime.memory.host_pool import HostKVPool
+    from radixlm.runtime.memory.kv_pool import KVPool
+
+    layers, kv_heads, head_dim = 32, 8, 128  # the Llama-3-8B shape
+    n = args.load_pages
+    pool = KVPool(n + 1, 16, layers, kv_heads, head_dim, torch.bfloat16, DEVICE)
+    rows = out.setdefault("load", [])
+    for io in args.io_backends:
+        host = HostKVPool(pool, n + 1, io)
+        host.save(list(range(1, n + 1)), list(range(1, n + 1)))
+        host.wait_saves()
+        times = []
+        sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+        for _ in range(6):  # the first compiles / warms up
+            sync()
+            start = time.perf_counter()
+            host.load(list(range(1, n + 1)), list(range(1, n + 1)))
+            pool.await_loads()
+            sync()
+            times.append(time.perf_counter() - start)
+        t = statistics.median(times[1:])
+        rows.append(dict(io_backend=io, layerwise=host.layerwise, pages=n, bytes=n * host.page_bytes, seconds=t,
+                         gb_per_s=n * host.page_bytes / t / 1e9))
+        print(json.dumps(rows[-1]), flush=True)
+        del host
+    save(out)
+
+
 def _stats(srv: LocalServer) -> dict:
     time.sleep(0.6)  # the scheduler reports every 0.5 s
     stats = srv.tm.stats
@@ -210,7 +245,8 @@ def _conversations(srv: LocalServer, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("ttft", "multiturn", "all"))
+    ap.add_argument("what", choices=("load", "ttft", "multiturn", "all"))
+    ap.add_argument("--load-pages", type=int, default=256)
     ap.add_argument("--tokenizer-dir", type=Path, required=True)
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--models-root", type=Path, default=Path("/tmp/models"))
@@ -239,7 +275,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["L1", "L1+L3", "L1+L3+L4"])
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    model, _ = build_checkpoint(args.shape, args.tokenizer_dir, args.models_root)
+    model = None if args.what == "load" else build_checkpoint(args.shape, args.tokenizer_dir, args.models_root)[0]
     out: dict = {"shape": args.shape, "device": DEVICE, "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -247,6 +283,8 @@ def main() -> None:
         (args.out / f"hicache_{args.what}.json").write_text(json.dumps(result, indent=1))
 
     try:
+        if args.what in ("load", "all"):
+            run_load(args, out, save)
         if args.what in ("ttft", "all"):
             run_ttft(model, args, out, save)
         if args.what in ("multiturn", "all"):
