@@ -311,10 +311,10 @@ class ServerArgs:
         "then waits up to --hicache-prefetch-timeout-s, not just the recompute time).",
         HICACHE_LOAD_POLICIES)
     hicache_io_backend: str = _opt(
-        "kernel", "How host-tier pages are loaded onto the device: 'kernel' (a Triton kernel reads "
-        "the pinned host rows directly, layer by layer, and each layer's attention waits only for "
-        "its own pages, so the load overlaps the forward; float / FP8 pools on CUDA) or 'direct' "
-        "(copies into a staging buffer, then a scatter; the forward waits for the whole load). "
+        "direct", "How host-tier pages are loaded onto the device: 'direct' (copies into a staging "
+        "buffer, then a scatter; the forward waits for the whole load) or 'kernel' (a Triton "
+        "kernel reads the pinned host rows directly, layer by layer, and each layer waits only "
+        "for its own pages, so the load overlaps the forward; float / FP8 pools on CUDA). "
         "int4 / mixed pools and the CPU always load 'direct'.",
         HICACHE_IO_BACKENDS)
     hicache_prefetch_timeout_s: float = _opt(

@@ -16,15 +16,16 @@ per layer tensor, writing straight into the staging rows), then copies runs of c
 host rows device -> host. The host memory is pinned, so both directions are asynchronous.
 A load (``io_backend``, ``--hicache-io-backend``):
 
+* ``direct`` (the default; always for int4 / mixed pools and the CPU): copies runs of
+  consecutive host rows host -> device into a staging buffer, scatters it (one
+  ``index_copy_`` per layer tensor), and the next forward waits for the whole load.
 * ``kernel`` (float / FP8 pools on CUDA): layer by layer, one Triton launch per layer
   tensor reads the pages' columns straight from the pinned rows into the pool
   (``kernels.kv_transfer``: zero-copy over PCIe, no staging buffer), an event recorded
-  after each layer; the forward waits for layer l's event just before layer l's
-  attention (``KVPool.expect_loads`` / ``await_loads``), so the load of later layers
-  overlaps the compute of earlier ones.
-* ``direct`` (and int4 / mixed pools, and the CPU): copies runs of consecutive host rows
-  host -> device into a staging buffer, scatters it (one ``index_copy_`` per layer
-  tensor), and the next forward waits for the whole load.
+  after each layer; the forward waits for layer l's event before layer l writes or reads
+  its pages (``KVPool.expect_loads`` / ``await_loads``), so the load of later layers
+  overlaps the compute of earlier ones. A start-up probe falls back to ``direct`` where
+  Triton cannot read pinned host memory.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class HostKVPool:
     Raises ValueError if ``num_pages`` < 1 or ``io_backend`` is unknown.
     """
 
-    def __init__(self, device_pool: KVPool, num_pages: int, io_backend: str = "kernel") -> None:
+    def __init__(self, device_pool: KVPool, num_pages: int, io_backend: str = "direct") -> None:
         if num_pages < 1:
             raise ValueError(f"a host KV pool needs at least 1 page, got {num_pages}")
         if io_backend not in IO_BACKENDS:

@@ -125,7 +125,7 @@ def test_model_extend_over_pages_loaded_layer_by_layer_matches_the_original_page
     pool = KVPool(16, 4, layers, 2, 16, torch.float32, DEVICE)
     for t in [*pool.k, *pool.v]:
         t[1:].fill_(float("nan"))
-    host = HostKVPool(pool, 8)
+    host = HostKVPool(pool, 8, "kernel")
     assert host.layerwise
     ids = random.Random(2).choices(range(256), k=20)
     logits = []

@@ -135,7 +135,7 @@ def test_layerwise_load_is_awaited_layer_by_layer() -> None:
     is still in flight when ``load`` returns; ``await_loads(layer)`` makes the current
     stream see that layer's pages, and the wait for the last layer ends the pending state."""
     pool = KVPool(64, 16, 4, 2, 64, torch.bfloat16, "cuda", "auto")
-    host = HostKVPool(pool, 32)
+    host = HostKVPool(pool, 32, "kernel")
     assert host.layerwise
     for layer in range(4):
         pool.k[layer][1:9] = layer + 1.0
@@ -166,7 +166,7 @@ def test_gpu_copies_are_ordered_with_the_current_stream() -> None:
     pool's loads (``await_loads``: every forward layer does for its own layer); many pages
     and layers in one batch."""
     pool = KVPool(64, 16, 4, 2, 64, torch.bfloat16, "cuda", "auto")
-    host = HostKVPool(pool, 64)
+    host = HostKVPool(pool, 64, "kernel")
     pages = list(range(1, 41))
     for layer in range(4):
         torch.cuda._sleep(1_000_000)  # a slow kernel ahead of the writes on the current stream
