@@ -344,7 +344,7 @@ class HiCache:
         if not reads:
             return False
         self.tree.inc_lock(deepest)
-        self.host.wait_saves()  # a row freed just now may still be the target of a save in flight
+        self.host.wait_saves()  # a row freed just now may still be a save's target or a load's source
         started = []
         for node, rows, _ in reads:
             futures = [self.disk.submit_read(key, self._into(row)) for key, row in zip(node.copy_in(DISK), rows,
