@@ -10,11 +10,16 @@ contiguous record. Rows hold raw bytes only: they are meaningful to a pool of th
 shape, format, FP8 scales, channel means and key rotation. Exact sink slots
 (``KVPool.sink_k``) are per first token id, not per page, and are not part of a record.
 
-On CUDA the copies run on the host pool's own stream and are batched: a save gathers the
-pages of every layer into one device staging buffer [n, page_bytes] (one ``index_select``
-per layer tensor, writing straight into the staging rows), then copies runs of consecutive
-host rows device -> host. The host memory is pinned, so both directions are asynchronous.
-A load (``io_backend``, ``--hicache-io-backend``):
+On CUDA the copies are batched and run on two streams of the host pool's own, so that
+PCIe carries both directions at once and a load (which a forward waits for) never queues
+behind saves (which nothing waits for): ``save_stream`` and ``load_stream`` (high
+priority), as SGLang's HiCache controller does. A save gathers the pages of every layer
+into one device staging buffer [n, page_bytes] (one ``index_select`` per layer tensor,
+writing straight into the staging rows), then copies runs of consecutive host rows
+device -> host. The host memory is pinned, so both directions are asynchronous. A load
+waits only for the saves still in flight to one of its rows; a save waits for the loads
+in flight (it may rewrite a row they read, or gather a page they write). A load
+(``io_backend``, ``--hicache-io-backend``):
 
 * ``direct`` (the default; always for int4 / mixed pools and the CPU): copies runs of
   consecutive host rows host -> device into a staging buffer, scatters it (one
@@ -70,11 +75,13 @@ class HostKVPool:
     caller (e.g. a ``PageAllocator`` of ``num_pages``: row 0 unused); nothing here tracks
     which rows are in use.
 
-    Ordering on CUDA (all copies on ``self.stream``): a save sees every kernel enqueued on
-    the current stream before it, and kernels enqueued after it see the pages only once
-    they are gathered (so the pages may be freed at once); the next forward on the current
-    stream sees a load. The caller must not read or rewrite a row being saved before
-    ``wait_saves``, nor rewrite a row being loaded before ``wait_saves`` either.
+    Ordering on CUDA (saves on ``save_stream``, loads on ``load_stream``): a save sees
+    every kernel enqueued on the current stream before it and every load issued before it,
+    and kernels enqueued after it see the pages only once they are gathered (so the pages
+    may be freed at once); a load sees the current stream and the saves in flight to its
+    rows; the next forward on the current stream sees a load. The caller must not read or
+    rewrite a row being saved before ``wait_saves``, nor rewrite a row being loaded before
+    ``wait_saves`` either.
 
     ``io_backend`` (``IO_BACKENDS``): how loads move (module doc); ``layerwise`` says
     whether loads go layer by layer (``kernel`` on CUDA for float / FP8 pools).
@@ -95,9 +102,12 @@ class HostKVPool:
         self.cuda = pool.device.type == "cuda"
         self.data = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=self.cuda)
         self._flag = bytearray(num_pages)  # host mirror of each row's FP8 flag (tiered pools)
-        self.stream = torch.cuda.Stream(pool.device) if self.cuda else None
+        self.save_stream = torch.cuda.Stream(pool.device) if self.cuda else None
+        self.load_stream = torch.cuda.Stream(pool.device, priority=-1) if self.cuda else None
         self.save_event = torch.cuda.Event() if self.cuda else None  # recorded by each save
         self.load_event = torch.cuda.Event() if self.cuda else None  # recorded by each load
+        self._saving: list[tuple[torch.cuda.Event, frozenset[int]]] = []  # saves maybe in flight: rows
+        self._spare_events: list[torch.cuda.Event] = []  # of saves known done, for reuse
         self.layerwise = self.cuda and io_backend == "kernel" and not pool.tiered and self._kernel_reads_host()
         if self.layerwise:
             self._columns = [self.records.layer_columns(layer) for layer in range(pool.num_layers)]
@@ -115,12 +125,13 @@ class HostKVPool:
         ``host_pages[i]`` (tiered pools: the INT4 page, and the FP8 slot's bytes when the
         page has one, as ``fp8_slot`` stands now on the host).
 
-        On CUDA asynchronous, on ``self.stream`` after waiting for the current stream:
-        one ``index_select`` per layer tensor into a device staging buffer [n, page_bytes]
-        (the current stream then waits for this device-side gather, so the pages, and a
-        tiered pool's FP8 slots, may be rewritten, demoted or freed as soon as this
-        returns), then one device -> host copy per run of consecutive host rows, which run
-        on past the current stream; records ``save_event`` (``wait_saves`` blocks on it).
+        On CUDA asynchronous, on ``save_stream`` after waiting for the current stream and
+        the loads issued before: one ``index_select`` per layer tensor into a device
+        staging buffer [n, page_bytes] (the current stream then waits for this device-side
+        gather, so the pages, and a tiered pool's FP8 slots, may be rewritten, demoted or
+        freed as soon as this returns), then one device -> host copy per run of
+        consecutive host rows, which run on past the current stream and past later loads
+        of other rows; records ``save_event`` (``wait_saves`` blocks on it).
         On CPU synchronous.
         Raises ValueError on lists of different lengths, an id out of range or a repeated
         host row."""
@@ -137,15 +148,20 @@ class HostKVPool:
             staging = self._gather(device_pages, slots)
             self.data.index_copy_(0, torch.tensor(host_pages, dtype=torch.int64), staging)
             return
-        assert self.stream is not None and self.save_event is not None
+        self._in_flight_saves()  # forget the saves done (their events are reused)
+        stream, event = self.save_stream, self._event()
+        assert stream is not None and self.save_event is not None and self.load_event is not None
         current = torch.cuda.current_stream(pool.device)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):  # staging allocated on (and freed to) this stream
+        stream.wait_stream(current)
+        stream.wait_event(self.load_event)  # the loads issued so far: their rows and pages come first
+        with torch.cuda.stream(stream):  # staging allocated on (and freed to) this stream
             staging = self._gather(device_pages, slots)
-            current.wait_stream(self.stream)  # later writes to the pages wait for the gather only
+            current.wait_stream(stream)  # later writes to the pages wait for the gather only
             for i, j, h in _runs(host_pages):
                 self.data[h:h + j - i].copy_(staging[i:j], non_blocking=True)
-            self.save_event.record(self.stream)
+            event.record(stream)
+            self.save_event.record(stream)
+        self._saving.append((event, frozenset(host_pages)))
 
     @torch.inference_mode()
     def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
@@ -157,9 +173,9 @@ class HostKVPool:
         demote other full pages when slots run short) holding its FP8 bytes; the others
         lose any FP8 slot they had (``KVPool.release_fp8_slots``) and read as INT4.
 
-        On CUDA on ``self.stream`` after waiting for the current stream (so slot moves and
-        earlier readers of the pages come first), records ``load_event`` after it; saves
-        still in flight to these rows are on the same stream, so they land first.
+        On CUDA on ``load_stream`` after waiting for the current stream (so slot moves and
+        earlier readers of the pages come first) and for the saves still in flight to these
+        rows (other saves run on beside it), records ``load_event`` after it.
         ``layerwise``: one ``kernels.kv_transfer`` launch per layer tensor, an event per
         layer handed to ``KVPool.expect_loads`` (the forward waits layer by layer).
         Otherwise one host -> device copy per run of consecutive host rows into a staging
@@ -186,29 +202,55 @@ class HostKVPool:
             staging = self.data.index_select(0, torch.tensor(host_pages, dtype=torch.int64))
             self._scatter(staging, device_pages, fp8_rows, slots)
             return
-        assert self.stream is not None and self.load_event is not None
+        stream = self.load_stream
+        assert stream is not None and self.load_event is not None
         current = torch.cuda.current_stream(pool.device)
-        self.stream.wait_stream(current)
+        stream.wait_stream(current)
+        self._after_saves_to(host_pages)
         if self.layerwise:
             from radixlm.kernels.kv_transfer import load_page_columns  # Triton: CUDA hosts only
 
-            with torch.cuda.stream(self.stream):  # index tensors allocated on (and freed to) this stream
+            with torch.cuda.stream(stream):  # index tensors allocated on (and freed to) this stream
                 rows = torch.tensor(host_pages, dtype=torch.int64).to(pool.device, non_blocking=True)
                 pages = torch.tensor(device_pages, dtype=torch.int64).to(pool.device, non_blocking=True)
                 for columns, event in zip(self._columns, self._layer_events, strict=True):
                     for dst, offset in columns:
                         load_page_columns(self.data, rows, pages, dst, offset)
-                    event.record(self.stream)
-                self.load_event.record(self.stream)
+                    event.record(stream)
+                self.load_event.record(stream)
             pool.expect_loads(self._layer_events)
             return
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(stream):
             staging = torch.empty((n, self.page_bytes), dtype=torch.uint8, device=pool.device)
             for i, j, h in _runs(host_pages):
                 staging[i:j].copy_(self.data[h:h + j - i], non_blocking=True)
             self._scatter(staging, device_pages, fp8_rows, slots)
-            self.load_event.record(self.stream)
-        current.wait_stream(self.stream)
+            self.load_event.record(stream)
+        current.wait_stream(stream)
+
+    def _event(self) -> torch.cuda.Event:
+        """A CUDA event for one save: a spare one of a save known done, else a new one."""
+        return self._spare_events.pop() if self._spare_events else torch.cuda.Event()
+
+    def _after_saves_to(self, rows: Sequence[int]) -> None:
+        """Make ``load_stream`` wait for the saves still in flight to any of ``rows`` (a page
+        saved and then loaded back before its save landed)."""
+        assert self.load_stream is not None
+        for event, saved in self._in_flight_saves():
+            if not saved.isdisjoint(rows):
+                self.load_stream.wait_event(event)
+
+    def _in_flight_saves(self) -> list[tuple[torch.cuda.Event, frozenset[int]]]:
+        """The saves not known done (their events and rows); the others are forgotten and
+        their events kept for reuse."""
+        pending = []
+        for event, rows in self._saving:
+            if event.query():
+                self._spare_events.append(event)
+            else:
+                pending.append((event, rows))
+        self._saving = pending
+        return pending
 
     def wait_saves(self) -> None:
         """Block until every save issued so far is in host memory, and every load issued so

@@ -20,8 +20,8 @@ the device keeps its host and disk copies.
   the host ever held, and survives a restart.
 * **Loads** (``match_and_lock``): the matched tail's host pages get device pages now and
   their copy is issued before the next forward (``issue``: saves, then loads, on the host
-  pool's copy stream, which the forward waits for), when the cost model finds loading them
-  faster than recomputing them.
+  pool's save and load streams; the forward waits for the loads), when the cost model finds
+  loading them faster than recomputing them.
 * **Prefetch** (``prefetch``): a waiting request whose match goes on into disk-only pages
   starts reading them into host rows; admission waits for the reads, or for
   ``--hicache-prefetch-timeout-s``, then takes what has arrived and recomputes the rest.
@@ -301,7 +301,7 @@ class HiCache:
 
         def read() -> Any:  # on the disk writer thread
             host.wait_saves()
-            return bytes(host.row(row))
+            return host.row(row)  # no copy: the node's io_ref keeps the row until the write is done
 
         return read
 

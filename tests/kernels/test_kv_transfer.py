@@ -111,7 +111,7 @@ def test_argument_errors() -> None:
 @pytest.mark.skipif(DEVICE != "cuda", reason="layer-wise loads run on CUDA (pinned host rows)")
 def test_model_extend_over_pages_loaded_layer_by_layer_matches_the_original_pages(tiny_hf_model) -> None:
     """A prefix's pages saved to the host tier and loaded into other pages layer by layer,
-    the copy stream held back so the load is still in flight when the forward is queued:
+    the load stream held back so the load is still in flight when the forward is queued:
     the extend over the loaded pages waits for each layer and gives the logits of the same
     extend over the original pages (the pool is NaN-filled: an unloaded page would show)."""
     import random
@@ -135,7 +135,7 @@ def test_model_extend_over_pages_loaded_layer_by_layer_matches_the_original_page
         extend = ForwardBatch.build([ids[16:]], [16], [[3, 7, 1, 9, 2]], [3], 4, DEVICE)
         logits.append(model.compute_logits(model(extend, pool)))
         host.wait_saves()
-        with torch.cuda.stream(host.stream):
+        with torch.cuda.stream(host.load_stream):
             torch.cuda._sleep(20_000_000)  # the load is still in flight when the forward is queued
         host.load([1, 2, 3, 4], [5, 6, 10, 11])
         assert pool.loads_pending

@@ -1,7 +1,8 @@
 """Host-memory KV tier (``host_pool``): record size, save / load round trips for every KV
 cache format (bitwise, FP8 slots of tiered pools kept exactly where they were), raw rows
 through a second host pool into a second device pool, slot pressure on load, argument
-errors, and the same round trip on a GPU (copy stream, pinned memory).
+errors, and on a GPU the same round trip (pinned memory) and the order of the save and
+load streams.
 
 Dimension letters: L layers, K kv heads, D head dim, P pages, S page size.
 """
@@ -131,7 +132,7 @@ def test_save_load_round_trip_on_gpu(kind: str, dtype: torch.dtype, page_size: i
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_layerwise_load_is_awaited_layer_by_layer() -> None:
-    """With the copy stream held back (a long kernel queued on it first), a layer-wise load
+    """With the load stream held back (a long kernel queued on it first), a layer-wise load
     is still in flight when ``load`` returns; ``await_loads(layer)`` makes the current
     stream see that layer's pages, and the wait for the last layer ends the pending state."""
     pool = KVPool(64, 16, 4, 2, 64, torch.bfloat16, "cuda", "auto")
@@ -145,8 +146,8 @@ def test_layerwise_load_is_awaited_layer_by_layer() -> None:
     for layer in range(4):
         pool.k[layer][9:17] = 0.0
         pool.v[layer][9:17] = 0.0
-    with torch.cuda.stream(host.stream):
-        torch.cuda._sleep(20_000_000)  # hold the copy stream back
+    with torch.cuda.stream(host.load_stream):
+        torch.cuda._sleep(20_000_000)  # hold the load stream back
     host.load(list(range(1, 9)), list(range(9, 17)))
     assert pool.loads_pending
     for layer in range(4):
@@ -187,6 +188,52 @@ def test_gpu_copies_are_ordered_with_the_current_stream() -> None:
     assert len(record) == host.page_bytes == 2 * 4 * 16 * 2 * 64 * 2
     first_k = host.data[63, :16 * 2 * 64 * 2].view(torch.bfloat16)
     assert bool((first_k == 1.0).all()) and record[:2] == first_k[:1].view(torch.uint8).numpy().tobytes()
+
+
+def _big_pool(io_backend: str = "direct") -> tuple[KVPool, HostKVPool]:
+    """513 pages of the Llama-3-8B shape (2 MiB each: 32 layers, 8 kv heads, head dim 128,
+    bf16) and a host tier of as many rows: a save of 512 pages copies 1 GiB device -> host."""
+    pool = KVPool(520, 16, 32, 8, 128, torch.bfloat16, "cuda", "auto")
+    return pool, HostKVPool(pool, 520, io_backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_load_does_not_queue_behind_saves_of_other_rows() -> None:
+    """Saves and loads run on two streams: a small load issued right after a 1 GiB save
+    (512 pages) to other rows has landed while that save's device -> host copy still runs."""
+    pool, host = _big_pool()
+    pool.k[0][513:517] = 5.0
+    host.save(list(range(513, 517)), list(range(513, 517)))
+    host.wait_saves()
+    pool.k[0][1:513] = 1.0
+    host.save(list(range(1, 513)), list(range(1, 513)))
+    host.load(list(range(513, 517)), [517, 518, 519, 1])  # page 1's gather came first
+    host.load_event.synchronize()
+    assert not host.save_event.query(), "the load waited for the save"
+    assert bool((pool.k[0][517:520] == 5.0).all()) and bool((pool.k[0][1] == 5.0).all())
+    host.wait_saves()
+    assert bool((host.data[512, :2].view(torch.bfloat16) == 1.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_a_load_of_a_row_being_saved_waits_for_that_save(io_backend: str) -> None:
+    """A page saved and loaded back from its row before the save landed (1 GiB ahead of it
+    in the same copy) reads the saved bytes, not the row's old ones."""
+    pool, host = _big_pool(io_backend)
+    host.data.zero_()
+    for layer in range(32):
+        pool.k[layer][1:513] = layer + 1.0
+        pool.v[layer][1:513] = -(layer + 1.0)
+    host.save(list(range(1, 513)), list(range(1, 513)))
+    host.load([512], [513])
+    pool.await_loads()
+    torch.cuda.current_stream().synchronize()
+    for layer in range(32):
+        assert bool((pool.k[layer][513] == layer + 1.0).all())
+        assert bool((pool.v[layer][513] == -(layer + 1.0)).all())
 
 
 def test_host_page_bytes_formula() -> None:
