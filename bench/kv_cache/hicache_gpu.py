@@ -3,9 +3,10 @@
 ``ttft``: time to first token of a prompt of L tokens (4K, 16K, 32K) whose cached prefix
 comes from the device pool (L1), the host tier (L3: pushed out of the device by filler
 prompts first, ``--l3-reps`` times; a host tier of ``--ttft-host-gb`` holds them all, the
-warm-ups flushed; once per ``--io-backends`` value), the disk tier (L4: a
-second server on the same storage folder after the first one stopped, with the page files
-dropped from the OS page cache; once with ``--hicache-load-policy cost_model``, which loads
+warm-ups flushed; once per ``--io-backends`` value; no disk tier, so no disk writes run
+beside), the disk tier (L4: a server with a disk tier runs each prompt once and stops, then
+a second server on the same storage folder, with the page files dropped from the OS page
+cache; once with ``--hicache-load-policy cost_model``, which loads
 only where loading beats recomputing by the bandwidths it measured, and once with
 ``always``), or nowhere (recompute: the prompt's first request). The first token is the
 whole request here (``max_new_tokens`` 1, no HTTP), so TTFT = the request's latency. The
@@ -89,16 +90,16 @@ def run_ttft(model: Path, args: argparse.Namespace, out: dict, save) -> None:
     rng = random.Random(0)
     store = Path(args.storage_dir)
     prompts = {n: ids(rng, n, args.vocab) for n in args.lengths}
-    tiers = dict(hicache_size_gb=args.ttft_host_gb, hicache_storage_dir=str(store), hicache_storage_size_gb=args.disk_gb)
+    host = dict(hicache_size_gb=args.ttft_host_gb)
+    tiers = dict(host, hicache_storage_dir=str(store), hicache_storage_size_gb=args.disk_gb)
     rows = out.setdefault("ttft", [])
     for io in args.io_backends:  # recompute, L1 and L3 with each way of loading host pages
-        shutil.rmtree(store, ignore_errors=True)  # the L4 part reads the last server's pages
-        with server(model, args, hicache_io_backend=io, **tiers) as srv:
+        with server(model, args, hicache_io_backend=io, **host) as srv:  # no disk writes running beside
             out.setdefault("tiers_by_io_backend", {})[io] = srv.tm.ready.hicache
             for n in prompts:
                 for _ in range(2):  # compile / warm up at this length
                     first_token(srv, ids(rng, n, args.vocab))
-            srv.post("/flush_cache", {})  # the warm-ups leave the device and host tiers (the disk keeps them)
+            srv.post("/flush_cache", {})  # the warm-ups leave the device and host tiers
             for n, prompt in prompts.items():
                 for source in ("recompute", "L1"):
                     t, meta = first_token(srv, prompt)
@@ -117,6 +118,11 @@ def run_ttft(model: Path, args: argparse.Namespace, out: dict, save) -> None:
                     print(json.dumps(rows[-1]), flush=True)
             srv.post("/flush_cache", {})
             save(out)
+    if args.l4_policies:  # a server with the disk tier writes the prompts' pages (closing waits for the writes)
+        shutil.rmtree(store, ignore_errors=True)
+        with server(model, args, **tiers) as srv:
+            for prompt in prompts.values():
+                first_token(srv, prompt)
     for policy in args.l4_policies:  # the cost model may find the disk slower than recomputing
         out.setdefault("page_files_dropped_from_page_cache", []).append(drop_page_cache(store))
         with server(model, args, hicache_load_policy=policy, **tiers) as srv:

@@ -350,7 +350,7 @@ class ModelRunner:
                 self._sync()
                 rates["host"] = pages * host_pool.page_bytes / max(time.perf_counter() - start, 1e-9)
             if disk is not None:
-                rates["disk"] = disk.measure_read_bandwidth(min(64 << 20, 16 * host_pool.page_bytes))
+                rates["disk"] = disk.measure_read_bandwidth(max(1, min(16, (64 << 20) // host_pool.page_bytes)))
         compute = self.swap_cost_model()
         compute = dataclasses.replace(compute, flops_per_s=self.prefill_flops_per_s(compute))
         return TierCostModel(compute, record_bytes(self.pool), self.page_size, rates)

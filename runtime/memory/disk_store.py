@@ -293,25 +293,13 @@ class DiskStore:
             self._count("write_failures")
             return False
         path = self.path(header.key)
-        tmp = path.with_name(f"{path.stem}{self._temp_tag}")
         try:
             data = memoryview(payload()).cast("B")
             if data.nbytes != self.payload_bytes:
                 raise ValueError(f"payload is {data.nbytes} bytes, expected {self.payload_bytes}")
-            head = self._pack_header(header)
-            trailer = _TRAILER.pack(zlib.crc32(data, zlib.crc32(head)))
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(head)
-                f.write(data)
-                f.write(trailer)
-            os.replace(tmp, path)
+            self._write_file(path, header, data)
         except Exception as e:
             self._count("write_failures")
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
             if isinstance(e, OSError):
                 self.writes_disabled = True
                 hint = " (disk full)" if e.errno == errno.ENOSPC else ""
@@ -323,6 +311,30 @@ class DiskStore:
             return False
         self._count("pages_written", "bytes_written")
         return True
+
+    def _write_file(self, path: Path, header: PageHeader, data: memoryview, sync: bool = False) -> None:
+        """Write one page file: header, payload, CRC trailer into a temp file renamed to
+        ``path`` (fsynced first if ``sync``). On any error the temp file is removed and the
+        error raised."""
+        tmp = path.with_name(f"{path.stem}{self._temp_tag}")
+        try:
+            head = self._pack_header(header)
+            trailer = _TRAILER.pack(zlib.crc32(data, zlib.crc32(head)))
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(data)
+                f.write(trailer)
+                if sync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """Remove the files of ``keys`` on the writer thread, after the writes submitted
@@ -463,37 +475,45 @@ class DiskStore:
 
     # -- calibration --------------------------------------------------------------------
 
-    def measure_read_bandwidth(self, nbytes: int = 64 << 20) -> float:
-        """Bytes/s of one sequential read of an ``nbytes`` file in this store's folder: the
-        file is written, fsynced and dropped from the page cache where the OS allows
-        (``posix_fadvise(POSIX_FADV_DONTNEED)``; elsewhere this measures a cached read),
-        then read once and removed. ValueError if ``nbytes < 1``; OSError from the disk."""
-        if nbytes < 1:
-            raise ValueError(f"nbytes must be >= 1, got {nbytes}")
-        path = self.root / f"bandwidth{self._temp_tag}"
-        chunk = min(nbytes, 8 << 20)
-        block = os.urandom(chunk)  # incompressible, for filesystems that compress
+    def measure_read_bandwidth(self, pages: int = 16) -> float:
+        """Payload bytes/s of reading ``pages`` page files the way a prefetch does. The files
+        are written in this store's format (random payloads; keys chained from a random
+        root, so no real page's), fsynced and dropped from the page cache where the OS
+        allows (``posix_fadvise(POSIX_FADV_DONTNEED)``; elsewhere this measures cached
+        reads); then all are read at once by the reader threads, with every check (size,
+        header, CRC), each into a buffer of its own, and removed. The per-file costs (open,
+        header, checksum, the hand-off to a reader thread) count, as in a prefetch, so a
+        store of small pages measures slower than one large sequential read would.
+        ValueError if ``pages`` < 1; OSError from the disk, or if a page does not read back."""
+        if pages < 1:
+            raise ValueError(f"pages must be >= 1, got {pages}")
+        parent, headers = os.urandom(KEY_BYTES), []
+        for i in range(pages):
+            tokens = tuple(range(i * self.page_size, (i + 1) * self.page_size))
+            headers.append(PageHeader(page_key(parent, tokens), parent, tokens))
+            parent = headers[-1].key
         try:
-            with open(path, "wb", buffering=0) as f:
-                left = nbytes
-                while left:
-                    left -= f.write(memoryview(block)[: min(left, chunk)])
-                os.fsync(f.fileno())
+            for h in headers:
+                self._write_file(self.path(h.key), h, memoryview(os.urandom(self.payload_bytes)), sync=True)
                 if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            buf = bytearray(chunk)
+                    fd = os.open(self.path(h.key), os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+            bufs = [bytearray(self.payload_bytes) for _ in headers]
             start = time.perf_counter()
-            with open(path, "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
+            reads = [self.submit_read(h.key, buf) for h, buf in zip(headers, bufs, strict=True)]
+            ok = all(f.result() for f in reads)
             elapsed = time.perf_counter() - start
+            if not ok:
+                raise OSError(f"disk store: the bandwidth measurement's pages did not read back in {self.root}")
+            with self._count_lock:  # the counters count real pages only
+                self.pages_read -= pages
+                self.bytes_read -= pages * self.file_bytes
         finally:
-            try:
-                path.unlink()
-            except OSError:
-                pass
-        return nbytes / max(elapsed, 1e-9)
-
+            self._delete([h.key for h in headers])
+        return pages * self.payload_bytes / max(elapsed, 1e-9)
 
 def _read_exact(f, buf: bytearray | memoryview) -> None:
     """Fill ``buf`` from the raw file ``f``; _BadPage if the file ends first."""

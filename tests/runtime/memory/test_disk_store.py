@@ -405,12 +405,30 @@ def test_drain_times_out_while_a_write_blocks(store):
     assert fut.result() is True
 
 
-def test_measure_read_bandwidth_leaves_no_file(store):
-    bps = store.measure_read_bandwidth(1 << 20)
+def _files(store) -> list:
+    return [p for p in store.root.rglob("*") if p.is_file()]
+
+
+def test_measure_read_bandwidth_reads_page_files_as_a_prefetch_does(store, monkeypatch):
+    """The measurement reads real page files of distinct keys through the reader threads
+    (every check on), leaves no file behind and no count in the store's read counters."""
+    keys = []
+    submit = store.submit_read
+    monkeypatch.setattr(store, "submit_read", lambda key, out: keys.append(key) or submit(key, out))
+    bps = store.measure_read_bandwidth(4)
     assert bps > 0
-    assert list(store.root.iterdir()) == []
+    assert len(set(keys)) == 4
+    assert _files(store) == []
+    assert (store.pages_read, store.bytes_read, store.read_misses) == (0, 0, 0)
     with pytest.raises(ValueError):
         store.measure_read_bandwidth(0)
+
+
+def test_measure_read_bandwidth_raises_when_a_page_does_not_read_back(store, monkeypatch):
+    monkeypatch.setattr(store, "_read", lambda key, out: False)
+    with pytest.raises(OSError, match="did not read back"):
+        store.measure_read_bandwidth(2)
+    assert _files(store) == []
 
 
 # -- a writer killed for real -------------------------------------------------------------
