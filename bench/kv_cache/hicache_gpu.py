@@ -16,6 +16,14 @@ tiers' bandwidths measured at start-up are recorded.
 shape = a 4K prefix, 512 MiB) with each ``--io-backends`` value, the pool alone (no model):
 median of 5 loads, each timed to the device synchronising, and the bandwidth it gives.
 
+``mooncake``: the Mooncake production trace's arrivals scaled to the GPU (a
+``--mooncake-*`` window of it: one conversation in ``--mooncake-sample``, lengths x
+``--mooncake-block-tokens`` / 512, replayed ``--mooncake-time-scale`` times faster), served
+over HTTP (``launch_server`` per configuration, ``radixlm bench serving --dataset-name
+mooncake``): throughput, TTFT p50 / p99 and the hit tokens per tier for the same
+configurations as ``multiturn``. The trace file (``--mooncake-path``) is carried to the GPU
+host.
+
 ``multiturn``: many conversations at once (SGLang's bench_multiturn shape): C clients,
 each T turns of a Q-token question and an A-token answer, the prompt being the whole
 history; clients run closed-loop, at most ``--max-parallel`` requests in flight, so a
@@ -26,7 +34,8 @@ p50 / p99 for the device pool only (L1), with a host tier holding the working se
 
     . bench/gpu_env.sh && python3 bench/kv_cache/hicache_gpu.py all --tokenizer-dir .gpu_tok --out $OUT
 
-(``ttft`` or ``multiturn`` for one part; the results: ``hicache_<all|ttft|multiturn>.json``.)
+(``load``, ``ttft``, ``multiturn`` or ``mooncake`` for one part; the results:
+``hicache_<part>.json``.)
 
 Random bf16 weights of the Llama-3-8B shape (``e2e/gpu_e2e.py``), built once under
 ``--models-root``. On the CPU (``GPU_E2E_DEVICE=cpu``) use ``--shape tiny`` and small sizes.
@@ -47,18 +56,31 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(BENCH / "e2e")]
-from gpu_e2e import DEVICE, build_checkpoint  # noqa: E402
+from gpu_e2e import DEVICE, build_checkpoint, server_flags  # noqa: E402
 
 from radixlm.runtime.engine import LocalServer  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 
+def _settings(args: argparse.Namespace, **extra) -> dict:
+    """The servers' settings (ServerArgs fields) beyond the model, device and log level."""
+    return dict(dict(context_length=args.context_length, max_total_tokens=args.device_tokens,
+                     max_prefill_tokens=16384, chunked_prefill_size=8192, max_running_requests=64), **extra)
+
+
 def server(model: Path, args: argparse.Namespace, **extra) -> LocalServer:
-    flags = dict(model_path=str(model), device=DEVICE, log_level="warning", context_length=args.context_length,
-                 max_total_tokens=args.device_tokens, max_prefill_tokens=16384, chunked_prefill_size=8192,
-                 max_running_requests=64)
-    flags.update(extra)
-    return LocalServer(ServerArgs(**flags))
+    return LocalServer(ServerArgs(model_path=str(model), device=DEVICE, log_level="warning",
+                                  **_settings(args, **extra)))
+
+
+def tier_configs(args: argparse.Namespace, storage_dir: str) -> dict[str, dict]:
+    """The tiers of each ``--configs`` name (ServerArgs fields)."""
+    return {
+        "L1": {},
+        "L1+L3": dict(hicache_size_gb=args.host_gb),
+        "L1+L3+L4": dict(hicache_size_gb=args.small_host_gb, hicache_storage_dir=storage_dir,
+                         hicache_storage_size_gb=args.disk_gb),
+    }
 
 
 def ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -179,12 +201,7 @@ def _stats(srv: LocalServer) -> dict:
 
 
 def run_multiturn(model: Path, args: argparse.Namespace, out: dict, save) -> None:
-    configs = {
-        "L1": {},
-        "L1+L3": dict(hicache_size_gb=args.host_gb),
-        "L1+L3+L4": dict(hicache_size_gb=args.small_host_gb, hicache_storage_dir=str(args.storage_dir) + "-mt",
-                         hicache_storage_size_gb=args.disk_gb),
-    }
+    configs = tier_configs(args, str(args.storage_dir) + "-mt")
     for name in args.configs:
         with server(model, args, **configs[name]) as srv:
             first_token(srv, ids(random.Random(1), min(4096, args.device_tokens // 2), args.vocab))  # warm-up
@@ -249,9 +266,58 @@ def _conversations(srv: LocalServer, args: argparse.Namespace) -> dict:
                 ttft_p50_s=statistics.median(ttfts), ttft_p99_s=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))])
 
 
+def run_mooncake(model: Path, args: argparse.Namespace, out: dict, save) -> None:
+    """The Mooncake trace's arrivals scaled to the GPU, served: per ``--configs`` entry a
+    ``launch_server`` with those tiers and ``radixlm bench serving --dataset-name mooncake``
+    against it (the ``--mooncake-*`` window; open loop at the trace's timestamps)."""
+    import asyncio
+    import math
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixlm.runtime.bench import serving
+    from radixlm.runtime.bench.server_process import ServerProcess
+
+    window = ["--dataset-name", "mooncake", "--dataset-path", str(args.mooncake_path),
+              "--mooncake-start-s", str(args.mooncake_start_s), "--mooncake-duration-s", str(args.mooncake_duration_s),
+              "--mooncake-sample", str(args.mooncake_sample), "--mooncake-time-scale", str(args.mooncake_time_scale),
+              "--mooncake-block-tokens", str(args.mooncake_block_tokens)]
+    store = str(args.storage_dir) + "-mooncake"
+    configs = tier_configs(args, store)
+    for name in args.configs:
+        shutil.rmtree(store, ignore_errors=True)
+        flags = server_flags(model) + [
+            f"--{k.replace('_', '-')}={v}" for k, v in _settings(args, **configs[name]).items()]
+        with open(args.out / f"mooncake_{name}.log", "w") as log, \
+                ServerProcess.launch(flags, log, startup_timeout=900) as srv:
+            sargs = serving.parse_args(["--base-url", srv.url, *window])
+            info = serving.discover_server(srv.url)
+            tokenizer = serving.load_tokenizer(info.tokenizer)
+            workload = serving.build_workload(sargs, tokenizer)
+            outputs, wall, in_flight, numbers = asyncio.run(
+                serving.run_benchmark(sargs, workload, math.inf, tokenizer, info))
+            m = serving.compute_metrics(outputs, wall, in_flight)
+            hits: dict[str, float] = {}
+            for family in text_string_to_metric_families(httpx.get(f"{srv.url}/metrics", timeout=30).text):
+                for sample in family.samples:
+                    if sample.name == "radixlm:hicache_hit_tokens_total":
+                        hits[sample.labels["tier"]] = sample.value
+            result = dict(config=name, requests=len(outputs), failed=m["failed"], wall_s=wall,
+                          offered_s=max(r.arrival_s or 0.0 for r in workload), device_tokens=args.device_tokens,
+                          output_tok_s=m["output_throughput"], prompt_tokens=m["total_input_tokens"],
+                          cache_hit_rate=numbers["prefix_cache_hit_rate"], hit_tokens_per_tier=hits,
+                          ttft_p50_s=m["median_ttft_ms"] / 1000, ttft_p99_s=m["p99_ttft_ms"] / 1000,
+                          max_in_flight=in_flight, errors=sorted({o.error for o in outputs if not o.success})[:5])
+            out.setdefault("mooncake", []).append(result)
+            print(json.dumps(result), flush=True)
+            save(out)
+        shutil.rmtree(store, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("load", "ttft", "multiturn", "all"))
+    ap.add_argument("what", choices=("load", "ttft", "multiturn", "mooncake", "all"))
     ap.add_argument("--load-pages", type=int, default=256)
     ap.add_argument("--tokenizer-dir", type=Path, required=True)
     ap.add_argument("--shape", default="llama3-8b")
@@ -279,6 +345,18 @@ def main() -> None:
     ap.add_argument("--question", type=int, default=512)
     ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=["L1", "L1+L3", "L1+L3+L4"])
+    ap.add_argument("--mooncake-path", type=Path,
+                    default=BENCH.parent.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl")
+    ap.add_argument("--mooncake-device-tokens", type=int, default=36864,
+                    help="device KV pool (tokens) of the Mooncake runs")
+    ap.add_argument("--mooncake-start-s", type=float, default=0.0, help="trace second the window starts at")
+    ap.add_argument("--mooncake-duration-s", type=float, default=300.0, help="trace seconds replayed")
+    ap.add_argument("--mooncake-sample", type=int, default=2, help="keep one conversation in this many")
+    ap.add_argument("--mooncake-time-scale", type=float, default=4.0,
+                    help="replay the window this many times faster than recorded")
+    ap.add_argument("--mooncake-block-tokens", type=int, default=128,
+                    help="tokens per 512-token hash block: lengths x this / 512 (128: the longest "
+                         "prompt, 31.5K tokens, fits --context-length)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     model = None if args.what == "load" else build_checkpoint(args.shape, args.tokenizer_dir, args.models_root)[0]
@@ -296,6 +374,9 @@ def main() -> None:
         if args.what in ("multiturn", "all"):
             args.device_tokens = args.multiturn_device_tokens
             run_multiturn(model, args, out, save)
+        if args.what in ("mooncake", "all"):
+            args.device_tokens = args.mooncake_device_tokens
+            run_mooncake(model, args, out, save)
     finally:
         save(out)
 
