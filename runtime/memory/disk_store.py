@@ -318,16 +318,8 @@ class DiskStore:
         error raised."""
         tmp = path.with_name(f"{path.stem}{self._temp_tag}")
         try:
-            head = self._pack_header(header)
-            trailer = _TRAILER.pack(zlib.crc32(data, zlib.crc32(head)))
             path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(head)
-                f.write(data)
-                f.write(trailer)
-                if sync:
-                    f.flush()
-                    os.fsync(f.fileno())
+            self._write_frame(tmp, header, data, sync)
             os.replace(tmp, path)
         except BaseException:
             try:
@@ -335,6 +327,18 @@ class DiskStore:
             except OSError:
                 pass
             raise
+
+    def _write_frame(self, path: Path, header: PageHeader, data: memoryview, sync: bool) -> None:
+        """Header, payload and CRC trailer into the file ``path`` (fsynced if ``sync``)."""
+        head = self._pack_header(header)
+        trailer = _TRAILER.pack(zlib.crc32(data, zlib.crc32(head)))
+        with open(path, "wb") as f:
+            f.write(head)
+            f.write(data)
+            f.write(trailer)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """Remove the files of ``keys`` on the writer thread, after the writes submitted
@@ -366,9 +370,10 @@ class DiskStore:
         return self._track(self._readers.submit(self._read, key, out))
 
     def _read(
-        self, key: bytes, out: memoryview | bytearray | Callable[[memoryview], object]
+        self, key: bytes, out: memoryview | bytearray | Callable[[memoryview], object],
+        path: Path | None = None,
     ) -> bool:
-        path = self.path(key)
+        path = self.path(key) if path is None else path
         head = bytearray(self.header_bytes)
         tail = bytearray(_TRAILER.size)
         if callable(out):
@@ -478,41 +483,49 @@ class DiskStore:
     def measure_read_bandwidth(self, pages: int = 16) -> float:
         """Payload bytes/s of reading ``pages`` page files the way a prefetch does. The files
         are written in this store's format (random payloads; keys chained from a random
-        root, so no real page's), fsynced and dropped from the page cache where the OS
-        allows (``posix_fadvise(POSIX_FADV_DONTNEED)``; elsewhere this measures cached
-        reads); then all are read at once by the reader threads, with every check (size,
-        header, CRC), each into a buffer of its own, and removed. The per-file costs (open,
-        header, checksum, the hand-off to a reader thread) count, as in a prefetch, so a
-        store of small pages measures slower than one large sequential read would.
+        root), under temp-file names of this process (which ``index`` of another process
+        sharing the folder leaves alone, and no index takes for pages), fsynced and dropped
+        from the page cache where the OS allows (``posix_fadvise(POSIX_FADV_DONTNEED)``;
+        elsewhere this measures cached reads); then all are read at once by the reader
+        threads, with every check (size, header, CRC), each into a buffer of its own, and
+        removed. The per-file costs (open, header, checksum, the hand-off to a reader
+        thread) count, as in a prefetch, so a store of small pages measures slower than one
+        large sequential read would. The read counters are left as they were.
         ValueError if ``pages`` < 1; OSError from the disk, or if a page does not read back."""
         if pages < 1:
             raise ValueError(f"pages must be >= 1, got {pages}")
-        parent, headers = os.urandom(KEY_BYTES), []
+        parent, files = os.urandom(KEY_BYTES), []
         for i in range(pages):
             tokens = tuple(range(i * self.page_size, (i + 1) * self.page_size))
-            headers.append(PageHeader(page_key(parent, tokens), parent, tokens))
-            parent = headers[-1].key
+            header = PageHeader(page_key(parent, tokens), parent, tokens)
+            files.append((header, self.root / f"bandwidth-{i}{self._temp_tag}"))
+            parent = header.key
         try:
-            for h in headers:
-                self._write_file(self.path(h.key), h, memoryview(os.urandom(self.payload_bytes)), sync=True)
+            for header, path in files:
+                self._write_frame(path, header, memoryview(os.urandom(self.payload_bytes)), sync=True)
                 if hasattr(os, "posix_fadvise"):
-                    fd = os.open(self.path(h.key), os.O_RDONLY)
+                    fd = os.open(path, os.O_RDONLY)
                     try:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     finally:
                         os.close(fd)
-            bufs = [bytearray(self.payload_bytes) for _ in headers]
+            bufs = [bytearray(self.payload_bytes) for _ in files]
             start = time.perf_counter()
-            reads = [self.submit_read(h.key, buf) for h, buf in zip(headers, bufs, strict=True)]
-            ok = all(f.result() for f in reads)
+            reads = [self._track(self._readers.submit(self._read, h.key, buf, path))
+                     for (h, path), buf in zip(files, bufs, strict=True)]
+            ok = [f.result() for f in reads]  # every read ends before the files go
             elapsed = time.perf_counter() - start
-            if not ok:
-                raise OSError(f"disk store: the bandwidth measurement's pages did not read back in {self.root}")
             with self._count_lock:  # the counters count real pages only
-                self.pages_read -= pages
-                self.bytes_read -= pages * self.file_bytes
+                self.pages_read -= sum(ok)
+                self.bytes_read -= sum(ok) * self.file_bytes
+            if not all(ok):
+                raise OSError(f"disk store: the bandwidth measurement's pages did not read back in {self.root}")
         finally:
-            self._delete([h.key for h in headers])
+            for _, path in files:
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
         return pages * self.payload_bytes / max(elapsed, 1e-9)
 
 def _read_exact(f, buf: bytearray | memoryview) -> None:

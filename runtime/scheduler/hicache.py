@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,7 +107,9 @@ class HiCache:
         self.saves: list[tuple[list[int], list[int]]] = []  # (device pages, host rows), to issue
         self.loads: list[tuple[list[int], list[int]]] = []  # (host rows, device pages), to issue
         self.disk_queue: list[TreeNode] = []  # nodes whose path goes to the disk after issue
-        self.disk_writes: list[tuple[Any, TreeNode]] = []  # (future of the node's last page, node)
+        self.disk_writes: list[tuple[Any, TreeNode, list[int]]] = []  # (last page's future, node, rows read)
+        self._writing: Counter[int] = Counter()  # host rows queued disk writes read (how many writes)
+        self._deferred: set[int] = set()  # rows released by the tree while a write reads them: freed after it
         self.prefetches: dict[str, _Prefetch] = {}
         self._late: list[tuple[TreeNode, list[int], list[Any]]] = []  # reads a timeout left running
         self._disk_rows: set[int] = set()  # host rows filled from the disk (hit accounting)
@@ -214,7 +217,11 @@ class HiCache:
 
     def _release(self, tier: int, handles: list) -> None:
         if tier == HOST:
-            self.host_rows.free(handles)
+            # A row a queued disk write still reads (the node's io_ref does not stop a
+            # device eviction from dropping a subtree with no lower copy) is freed after it.
+            busy = {r for r in handles if self._writing[r] > 0}
+            self._deferred |= busy
+            self.host_rows.free([r for r in handles if r not in busy] if busy else handles)
             self._disk_rows.difference_update(handles)
         elif self.disk is not None and not self._keep_disk:
             self.disk.delete(handles)
@@ -259,7 +266,7 @@ class HiCache:
         goes when the last write ends. Skipped pages: the quota or the disk is full."""
         if node.parent is None:
             return
-        disk, key, last, written = self.disk, ROOT_KEY, None, 0
+        disk, key, last, written, read = self.disk, ROOT_KEY, None, 0, []
         for step in reversed(list(_path(node))):
             keys = step.copy_in(DISK)
             if keys is not None:
@@ -278,13 +285,15 @@ class HiCache:
                 header = PageHeader(key=chain[i], parent=prev[i],
                                     tokens=tuple(tokens[i * self.page_size : (i + 1) * self.page_size]))
                 last = disk.submit_write(header, self._payload(row))
+            read += rows
             self.tree.set_copy(step, DISK, chain)
             written += step.npages
         self.stats.pages_moved["host_to_disk"] += written
         if last is None:
             self.tree.dec_io(node)
         else:
-            self.disk_writes.append((last, node))
+            self._writing.update(read)
+            self.disk_writes.append((last, node, read))
 
     def _disk_room(self, pages: int) -> bool:
         disk = self.disk
@@ -301,7 +310,7 @@ class HiCache:
 
         def read() -> Any:  # on the disk writer thread
             host.wait_saves()
-            return host.row(row)  # no copy: the node's io_ref keeps the row until the write is done
+            return host.row(row)  # no copy: the row is not freed before the write is done (_release)
 
         return read
 
@@ -311,12 +320,20 @@ class HiCache:
             self.poll_late_reads()
         if self.disk_writes:
             still = []
-            for future, node in self.disk_writes:
+            for future, node, rows in self.disk_writes:
                 if not future.done():
-                    still.append((future, node))
+                    still.append((future, node, rows))
                     continue
                 if node.parent is not None:
                     self.tree.dec_io(node)
+                self._writing.subtract(rows)
+                done = {r for r in rows if self._writing[r] <= 0}
+                for r in done:
+                    del self._writing[r]
+                done &= self._deferred
+                if done:
+                    self._deferred -= done
+                    self.host_rows.free(sorted(done))
             self.disk_writes = still
 
     # ------------------------------------------------------------ prefetch
@@ -429,17 +446,18 @@ class HiCache:
         self.poll()
 
     def check_invariants(self) -> None:
-        """Host rows: free + held by the tree + being prefetched == capacity, no row twice."""
+        """Host rows: free + held by the tree + being prefetched + released but still read by
+        a disk write == capacity, no row twice."""
         held = [r for n in self.tree._iter_nodes() for r in (n.copy_in(HOST) or ())]  # noqa: SLF001
         reading = [r for pf in self.prefetches.values() for _, rows, _ in pf.reads for r in rows]
         reading += [r for _, rows, _ in self._late for r in rows]
-        used = held + reading
+        used = held + reading + sorted(self._deferred)
         assert len(set(used)) == len(used), "a host row held twice"
         free = self.host_rows.free_pages()
         assert not free & set(used), "a host row both free and held"
         assert len(free) + len(used) == self.host_rows.capacity, (
-            f"host rows leak: free {len(free)} + held {len(held)} + reading {len(reading)} != "
-            f"{self.host_rows.capacity}")
+            f"host rows leak: free {len(free)} + held {len(held)} + reading {len(reading)} + "
+            f"waiting for a disk write {len(self._deferred)} != {self.host_rows.capacity}")
 
 
 def _path(node: TreeNode):

@@ -409,26 +409,52 @@ def _files(store) -> list:
     return [p for p in store.root.rglob("*") if p.is_file()]
 
 
-def test_measure_read_bandwidth_reads_page_files_as_a_prefetch_does(store, monkeypatch):
-    """The measurement reads real page files of distinct keys through the reader threads
-    (every check on), leaves no file behind and no count in the store's read counters."""
-    keys = []
-    submit = store.submit_read
-    monkeypatch.setattr(store, "submit_read", lambda key, out: keys.append(key) or submit(key, out))
+def test_measure_read_bandwidth_reads_page_files_as_a_prefetch_does(store, tmp_path, monkeypatch):
+    """The measurement reads page files of distinct keys through the reader threads with
+    every check (a valid page each: the real read succeeds), under temp-file names that
+    another process's index leaves alone; it leaves no file behind and no count in the
+    store's read counters."""
+    seen = []
+    read = store._read
+
+    def spy(key, out, path=None):
+        with monkeypatch.context() as m:  # index as another live process (our pid is its peer's)
+            m.setattr(disk_store.os, "getpid", os.getppid)
+            indexed = other.index()
+        seen.append((key, path.name, sorted(p.name for p in _files(store)), indexed))
+        return read(key, out, path)
+
+    other = make_store(tmp_path)
+    other._token = "0" * 8
+    monkeypatch.setattr(store, "_read", spy)
     bps = store.measure_read_bandwidth(4)
     assert bps > 0
-    assert len(set(keys)) == 4
+    assert len({key for key, *_ in seen}) == 4
+    for _, name, present, indexed in seen:
+        assert name.startswith("bandwidth-") and name.endswith(store._temp_tag)
+        assert len(present) == 4 and indexed == []  # the other index took and removed nothing
     assert _files(store) == []
     assert (store.pages_read, store.bytes_read, store.read_misses) == (0, 0, 0)
     with pytest.raises(ValueError):
         store.measure_read_bandwidth(0)
+    other.close()
 
 
 def test_measure_read_bandwidth_raises_when_a_page_does_not_read_back(store, monkeypatch):
-    monkeypatch.setattr(store, "_read", lambda key, out: False)
+    """One read fails: every read still ends before the files are removed (no read of a
+    vanished file), then OSError; the counters keep no trace of the good reads."""
+    read, calls = store._read, []
+
+    def flaky(key, out, path=None):
+        calls.append(path.exists())
+        return False if len(calls) == 1 else read(key, out, path)
+
+    monkeypatch.setattr(store, "_read", flaky)
     with pytest.raises(OSError, match="did not read back"):
-        store.measure_read_bandwidth(2)
+        store.measure_read_bandwidth(3)
+    assert calls == [True, True, True]
     assert _files(store) == []
+    assert (store.pages_read, store.bytes_read) == (0, 0)
 
 
 # -- a writer killed for real -------------------------------------------------------------

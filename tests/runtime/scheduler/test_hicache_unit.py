@@ -243,3 +243,40 @@ def test_a_request_that_must_wait_loads_nothing_and_counts_the_match_that_admits
     assert waiting.cached_tokens == 4 and waiting.cached_tiers == {"device": 0, "host": 4, "disk": 0}
     assert hc.stats.hit_tokens["host"] == 4 and hc.stats.pages_moved["host_to_device"] == 2
     assert len(hc.host.loads) == 1
+
+
+def test_rows_a_disk_write_reads_are_freed_only_after_it() -> None:
+    """write_back with a 2-row host tier: child B is demoted (saved, its disk write queued);
+    then its parent A, with no lower copy and no room to save, is device-evicted with its
+    subtree. B's rows, still read by the queued write (from pinned memory, no copy), stay
+    allocated until the write ends, and are then free; the invariants hold throughout."""
+
+    class TinyHost(FakeHost):
+        num_pages = 3  # rows 1, 2
+
+    class SlowDisk(FakeDisk):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[Future] = []
+
+        def submit_write(self, header, payload):
+            self.writes.append(Future())
+            return self.writes[-1]
+
+    tree = RadixTree(S, tiers=("host", "disk"))
+    hc = HiCache(tree, TinyHost(), SlowDisk(), costs(), "write_back")
+    tree.insert([1, 2, 3, 4], [5, 6])
+    b = tree.insert([1, 2, 3, 4, 5, 6, 7, 8], [5, 6, 7, 8]).node
+    assert tree.evict(2) == [7, 8]  # B demoted to rows 1, 2; its write queued at issue()
+    hc.issue()
+    rows = list(b.copy_in(HOST))
+    assert sorted(rows) == [1, 2] and len(hc.disk.writes) == 2
+    assert sorted(tree.evict(2)) == [5, 6]  # A cannot be saved: its subtree goes, B with it
+    assert b.parent is None
+    assert hc.host_rows.free_pages() == set()  # B's rows wait for the write
+    hc.check_invariants()
+    for f in hc.disk.writes:
+        f.set_result(True)
+    hc.poll()
+    assert hc.host_rows.free_pages() == set(rows)
+    hc.check_invariants()
