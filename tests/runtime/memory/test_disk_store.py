@@ -418,16 +418,15 @@ def test_measure_read_bandwidth_reads_page_files_as_a_prefetch_does(store, tmp_p
     read = store._read
 
     def spy(key, out, path=None):
-        with monkeypatch.context() as m:  # index as another live process (our pid is its peer's)
-            m.setattr(disk_store.os, "getpid", os.getppid)
-            indexed = other.index()
-        seen.append((key, path.name, sorted(p.name for p in _files(store)), indexed))
+        seen.append((key, path.name, sorted(p.name for p in _files(store)), other.index()))
         return read(key, out, path)
 
     other = make_store(tmp_path)
     other._token = "0" * 8
     monkeypatch.setattr(store, "_read", spy)
-    bps = store.measure_read_bandwidth(4)
+    with monkeypatch.context() as m:  # ``other`` indexes as another live process (ours is its peer)
+        m.setattr(disk_store.os, "getpid", os.getppid)
+        bps = store.measure_read_bandwidth(4)
     assert bps > 0
     assert len({key for key, *_ in seen}) == 4
     for _, name, present, indexed in seen:
