@@ -28,7 +28,8 @@ the device keeps its host and disk copies.
 * **Safety**: a read that fails verification (corrupt, truncated, foreign) drops the
   node and what hangs below it: a miss, recomputed. Locks cover pages in flight: loaded
   nodes are locked by their request, prefetched ones by the prefetch, host rows that a
-  disk write reads by ``io_ref``.
+  disk write reads by ``io_ref`` (and rows the tree drops meanwhile, with a device
+  eviction of a subtree, are freed only when the write ends: it reads them in place).
 """
 
 from __future__ import annotations
