@@ -81,7 +81,10 @@ class HostKVPool:
     may be freed at once); a load sees the current stream and the saves in flight to its
     rows; the next forward on the current stream sees a load. The caller must not read or
     rewrite a row being saved before ``wait_saves``, nor rewrite a row being loaded before
-    ``wait_saves`` either.
+    ``wait_saves`` either. Since the current stream waits for a save's gather, which waits
+    for the loads issued before it, a save between a layer-wise load and the forward that
+    reads it would make that forward wait for the whole load: issue saves first
+    (``HiCache.issue`` does).
 
     ``io_backend`` (``IO_BACKENDS``): how loads move (module doc); ``layerwise`` says
     whether loads go layer by layer (``kernel`` on CUDA for float / FP8 pools).
