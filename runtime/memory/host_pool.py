@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from radixlm.runtime.memory.kv_pool import KVPool
@@ -282,25 +281,23 @@ class HostKVPool:
     # ---------------------------------------------------------------- raw rows
     def row(self, host_page: int) -> memoryview:
         """The page_bytes bytes of row ``host_page`` (format "B", a writable view of CPU
-        memory, no copy), e.g. for a disk write; callers ``wait_saves()`` first.
+        memory, no copy), e.g. for a disk write, or a disk read's buffer (then
+        ``adopt_row``); callers ``wait_saves()`` first.
         Raises IndexError for a row out of range."""
         self._check_row(host_page)
         return memoryview(self.data[host_page].numpy())
 
-    def write_row(self, host_page: int, data: bytes | bytearray | memoryview) -> None:
-        """Fill row ``host_page`` from a record's bytes (e.g. a disk read; C-contiguous).
-        Raises IndexError for a row out of range, ValueError if the length is not
-        page_bytes or (tiered pools) the flag byte is neither 0 nor 1."""
+    def adopt_row(self, host_page: int) -> None:
+        """Take row ``host_page`` as filled in place (``row(h)`` given to a disk read as its
+        buffer, no copy): for int4 / mixed pools its FP8 flag byte is read into the host
+        mirror. Raises IndexError for a row out of range, ValueError if the flag byte is
+        neither 0 nor 1."""
         self._check_row(host_page)
-        view = memoryview(data).cast("B")
-        if view.nbytes != self.page_bytes:
-            raise ValueError(f"host KV row: {view.nbytes} bytes given, a row holds {self.page_bytes}")
         if self._flag_offset >= 0:
-            flag = view[self._flag_offset]
+            flag = int(self.data[host_page, self._flag_offset])
             if flag not in (0, 1):
                 raise ValueError(f"host KV row: FP8 flag byte {flag}, expected 0 or 1")
             self._flag[host_page] = flag
-        self.data[host_page].numpy()[:] = np.frombuffer(view, dtype=np.uint8)
 
     # ----------------------------------------------------------------- helpers
     def _gather(self, device_pages: Sequence[int], slots: Sequence[int] | None) -> torch.Tensor:

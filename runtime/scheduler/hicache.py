@@ -52,6 +52,7 @@ __all__ = ["WRITE_POLICIES", "HiCache", "HiCacheStats"]
 logger = logging.getLogger("radixlm.hicache")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST, DISK = 0, 1  # lower tier indices in the tree
+DISK_RATE_WEIGHT_BYTES = 64 << 20  # a prefetch of this size weighs as much as the disk rate known before it
 
 
 @dataclass
@@ -79,6 +80,7 @@ class _Prefetch:
     started: float
     tokens: int  # tokens being read
     timeout: float  # seconds admission waits: the flag's, at most what recomputing them takes
+    ends: list[float] = field(default_factory=list)  # when each read ended (reader threads append)
 
 
 class HiCache:
@@ -86,8 +88,8 @@ class HiCache:
 
     ``tree``: a RadixTree made with ``tiers=("host",)`` or ``("host", "disk")``;
     ``host_pool``: moves bytes (``save(device_pages, rows)``, ``load(rows, device_pages)``,
-    ``wait_saves()``, ``row(r)``, ``write_row(r, data)``, ``num_pages`` rows with row 0
-    unused); ``disk``: a DiskStore or None; ``costs``: when loading beats recomputing.
+    ``wait_saves()``, ``row(r)`` (also a disk read's buffer), ``adopt_row(r)``, ``num_pages``
+    rows with row 0 unused); ``disk``: a DiskStore or None; ``costs``: when loading beats recomputing.
     ValueError for an unknown write policy or a tree whose tiers do not match.
     """
 
@@ -363,20 +365,18 @@ class HiCache:
             return False
         self.tree.inc_lock(deepest)
         self.host.wait_saves()  # a row freed just now may still be a save's target or a load's source
-        started = []
-        for node, rows, _ in reads:
-            futures = [self.disk.submit_read(key, self._into(row)) for key, row in zip(node.copy_in(DISK), rows,
-                                                                                        strict=True)]
-            started.append((node, rows, futures))
         timeout = self.prefetch_timeout_s
         if not self.costs.always_load:  # never wait longer than recomputing would take
             timeout = min(timeout, self.costs.compute.span_seconds(start_tokens, pos))
-        self.prefetches[rid] = _Prefetch(deepest, started, self.clock(), tokens, timeout)
+        pf = self.prefetches[rid] = _Prefetch(deepest, [], self.clock(), tokens, timeout)
+        clock, ends = self.clock, pf.ends
+        for node, rows, _ in reads:
+            futures = [self.disk.submit_read(key, self.host.row(row)) for key, row in zip(node.copy_in(DISK), rows,
+                                                                                        strict=True)]
+            for f in futures:
+                f.add_done_callback(lambda _, ends=ends: ends.append(clock()))
+            pf.reads.append((node, rows, futures))
         return True
-
-    def _into(self, row: int) -> Callable[[bytes], None]:
-        host = self.host
-        return lambda data: host.write_row(row, data)
 
     def prefetch_ready(self, rid: str, cancel: bool = False) -> bool:
         """True when ``rid`` has no prefetch, or its prefetch ended (all read, timed out, or
@@ -394,12 +394,27 @@ class HiCache:
         self.stats.prefetch_seconds += waited
         if done:
             self.stats.prefetch_hits += 1
+            if all(f.result() for _, _, futures in pf.reads for f in futures):
+                pages = sum(len(rows) for _, rows, _ in pf.reads)
+                self._observe_disk(pages * self.costs.page_bytes, max(pf.ends) - pf.started)
         else:
             self.stats.prefetch_timeouts += 1
         self.tree.dec_lock(pf.node)
         for node, rows, futures in pf.reads:
             self._finish_read(node, rows, futures)
         return True
+
+    def _observe_disk(self, nbytes: int, seconds: float) -> None:
+        """Refine the cost model's disk read rate (bytes/s) with a prefetch that read
+        ``nbytes`` in ``seconds`` (start to its last read's end, per-file costs included):
+        an average weighted by bytes, a prefetch of DISK_RATE_WEIGHT_BYTES counting as much
+        as everything before it. The start-up measurement reads files just written, which
+        some storage serves faster than pages written long before."""
+        rates = self.costs.read_bytes_per_s
+        if seconds <= 0 or "disk" not in rates:
+            return
+        w = nbytes / (nbytes + DISK_RATE_WEIGHT_BYTES)
+        rates["disk"] = (1 - w) * rates["disk"] + w * nbytes / seconds
 
     def cancel_prefetch(self, rid: str) -> None:
         """The request left (finished or aborted) while prefetching."""
@@ -413,8 +428,9 @@ class HiCache:
         if not all(f.done() for f in futures):
             self._late.append((node, rows, futures))
             return
-        if not all(f.result() for f in futures):
-            self.stats.prefetch_failures += sum(not f.result() for f in futures)
+        ok = [f.result() and self._adopt(row) for f, row in zip(futures, rows, strict=True)]
+        if not all(ok):
+            self.stats.prefetch_failures += ok.count(False)
             self.host_rows.free(rows)
             if node.parent is not None and node.lock_ref == 0 and node.io_ref == 0:
                 self.tree.discard(node)
@@ -431,6 +447,16 @@ class HiCache:
                 self.host_rows.free(rows)
                 return
             node = node.parent
+
+    def _adopt(self, row: int) -> bool:
+        """A row a disk read filled in place (its payload verified): taken by the host pool,
+        or False if its FP8 flag byte is not 0 / 1 (a miss)."""
+        try:
+            self.host.adopt_row(row)
+        except ValueError as e:
+            logger.warning("disk tier: a read page is not usable: %s", e)
+            return False
+        return True
 
     def poll_late_reads(self) -> None:
         late, self._late = self._late, []

@@ -577,12 +577,14 @@ class Scheduler:
     @property
     def idle_timeout_ms(self) -> int:
         """How long the loop may block on messages: 0 with work, 1 ms when the only work is
-        requests waiting for a peer's pages (their arrival is polled: no busy wait that
-        would take the core the peer's copy needs), a few ms while grammars compile on
-        their thread (no busy wait), else 50."""
+        requests waiting for a peer's pages or a disk prefetch (their arrival is polled: no
+        busy wait that would take the GIL and the core the copy or the disk reader threads
+        need), a few ms while grammars compile on their thread (no busy wait), else 50."""
         if self.has_work:
             idle = not self.planner.running and self.inflight is None
-            return 1 if idle and self.peer is not None and self.peer.busy else 0
+            waits = ((self.peer is not None and self.peer.busy)
+                     or (self.hicache is not None and bool(self.hicache.prefetches)))
+            return 1 if idle and waits else 0
         return 5 if self.grammar_waiting else 50
 
     # ----------------------------------------------------------------- event loop

@@ -107,7 +107,8 @@ def _round_trip(kind: str, dtype: torch.dtype, page_size: int, device: str, io_b
     host2 = HostKVPool(other, 8, io_backend)
     rows2 = [7, 5, 4, 3, 1, 2]
     for h, h2 in zip(rows, rows2, strict=True):
-        host2.write_row(h2, bytes(host.row(h)))
+        host2.row(h2)[:] = host.row(h)  # as a disk read fills a row in place
+        host2.adopt_row(h2)
     dst2 = [1, 2, 3, 4, 5, 6]
     host2.load(rows2, dst2)
     other.await_loads()
@@ -297,15 +298,16 @@ def test_kv_pool_fp8_slot_bookkeeping() -> None:
 def test_argument_errors() -> None:
     pool = _pool("mixed", torch.float32, 4)
     host = HostKVPool(pool, 4)
-    with pytest.raises(ValueError, match="bytes given"):
-        host.write_row(1, bytes(host.page_bytes - 1))
-    record = bytearray(host.page_bytes)
-    record[host._flag_offset] = 2
+    host.row(1)[host._flag_offset] = 2
     with pytest.raises(ValueError, match="flag byte"):
-        host.write_row(1, record)
-    host.write_row(1, memoryview(bytes(host.page_bytes)))  # a memoryview works too
+        host.adopt_row(1)
+    host.row(1)[host._flag_offset] = 1
+    host.adopt_row(1)
+    assert host._flag[1] == 1
     with pytest.raises(IndexError):
         host.row(4)
+    with pytest.raises(IndexError):
+        host.adopt_row(4)
     with pytest.raises(ValueError, match="host rows"):
         host.save([1, 2], [1])
     with pytest.raises(ValueError, match="host row out of range"):

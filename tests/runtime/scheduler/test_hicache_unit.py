@@ -38,7 +38,7 @@ class FakeHost:
     def row(self, r):
         return memoryview(bytes(4))
 
-    def write_row(self, r, data):
+    def adopt_row(self, r):
         pass
 
 
@@ -103,6 +103,31 @@ def test_prefetch_times_out_then_lands_in_the_background() -> None:
     assert match.tail[0].copy_in(HOST) is not None
     hc.check_invariants()
     tree.check_invariants()
+
+
+def test_prefetches_refine_the_disk_read_rate() -> None:
+    """A prefetch of 2 pages of 32 MiB whose last read ends 2 s after it started: 32 MiB/s
+    observed, weighted 64 / (64 + 64) against the 1 GB/s known before; a failed read or a
+    timeout teaches nothing."""
+    model = dataclasses.replace(costs(disk_bw=1e9), page_bytes=32 << 20, always_load=True)
+    tree, hc, now = make(model=dataclasses.replace(model, read_bytes_per_s=dict(model.read_bytes_per_s)))
+    disk_only(tree, [1, 2, 3, 4])
+    assert hc.prefetch("r", tree.match_prefix([1, 2, 3, 4]).tail, 0)
+    now[0] = 0.5
+    hc.disk.reads[0].set_result(True)
+    now[0] = 2.0
+    hc.disk.reads[1].set_result(True)
+    now[0] = 3.0  # seen later: the reads' own end counts
+    assert hc.prefetch_ready("r")
+    assert abs(hc.costs.read_bytes_per_s["disk"] - (0.5 * 1e9 + 0.5 * (64 << 20) / 2.0)) < 1
+    rate = hc.costs.read_bytes_per_s["disk"]
+    tree2, hc2, _ = make(model=dataclasses.replace(model, read_bytes_per_s=dict(model.read_bytes_per_s)))
+    disk_only(tree2, [1, 2, 3, 4])
+    assert hc2.prefetch("r", tree2.match_prefix([1, 2, 3, 4]).tail, 0)
+    hc2.disk.reads[0].set_result(False)
+    hc2.disk.reads[1].set_result(True)
+    assert hc2.prefetch_ready("r") and hc2.costs.read_bytes_per_s["disk"] == 1e9
+    assert rate < 1e9
 
 
 def test_failed_read_drops_the_node() -> None:
