@@ -498,3 +498,20 @@ def test_usable_cores_honours_a_cgroup_quota(tmp_path):
     cpu_max.write_text("max 100000\n")
     assert usable_cores(str(cpu_max)) == affinity
     assert usable_cores(str(tmp_path / "missing")) == affinity
+
+
+@pytest.mark.parametrize(("running", "prefetching", "peer_busy", "expected"), [
+    (False, True, False, 1),  # only disk prefetches awaited: block 1 ms, the reader threads need the GIL
+    (False, False, True, 1),  # only a peer's pages awaited
+    (False, False, False, 0),  # waiting requests to admit: no wait
+    (True, True, False, 0),  # a step to run: no wait
+])
+def test_idle_loop_polls_instead_of_spinning_while_only_tier_reads_are_awaited(running, prefetching, peer_busy,
+                                                                                 expected) -> None:
+    fake = SimpleNamespace(
+        has_work=True, grammar_waiting=False, inflight=None,
+        planner=SimpleNamespace(running=[object()] if running else []),
+        peer=SimpleNamespace(busy=peer_busy), hicache=SimpleNamespace(prefetches={"r": 1} if prefetching else {}))
+    assert Scheduler.idle_timeout_ms.fget(fake) == expected
+    fake.has_work = False
+    assert Scheduler.idle_timeout_ms.fget(fake) == 50
