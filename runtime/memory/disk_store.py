@@ -312,14 +312,13 @@ class DiskStore:
         self._count("pages_written", "bytes_written")
         return True
 
-    def _write_file(self, path: Path, header: PageHeader, data: memoryview, sync: bool = False) -> None:
+    def _write_file(self, path: Path, header: PageHeader, data: memoryview) -> None:
         """Write one page file: header, payload, CRC trailer into a temp file renamed to
-        ``path`` (fsynced first if ``sync``). On any error the temp file is removed and the
-        error raised."""
+        ``path``. On any error the temp file is removed and the error raised."""
         tmp = path.with_name(f"{path.stem}{self._temp_tag}")
         try:
             path.parent.mkdir(exist_ok=True)
-            self._write_frame(tmp, header, data, sync)
+            self._write_frame(tmp, header, data, sync=False)
             os.replace(tmp, path)
         except BaseException:
             try:
