@@ -153,57 +153,6 @@ class NativeSamplingParams(_Sampling):
                               **self._common())
 
 
-class GenerateRequest(BaseModel):
-    """SGLang's native /generate body: exactly one of ``text`` / ``input_ids``."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    text: str | list[str] | None = None
-    # Plain ints: TokenizerManager.validate checks every id against the vocabulary (one
-    # min / max, 0.10 ms for 4096 ids); a per-element ``ge=0`` here cost pydantic 0.11 ms more.
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
-    stream: bool = False
-    rid: str | list[str] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = Field(-1, ge=-1, le=INT64_MAX)
-    top_logprobs_num: int = Field(0, ge=0, le=20)
-    return_text_in_logprobs: bool = False
-    # SGLang's field: run on this data parallel replica (0 .. --dp-size - 1) instead of the router's pick
-    data_parallel_rank: int | None = Field(None, ge=0)
-    image_data: Any = None  # SGLang's multimodal input: refused, the served models read text only
-    # radixlm's extension for the frontend DSL: calls constrained and parsed as on the chat
-    # route (meta_info.tool_calls); the prompt is the caller's text, tools are not rendered into it
-    tools: list[Tool] | None = Field(None, min_length=1)
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-
-    @field_validator("tools", mode="after")
-    @classmethod
-    def _distinct_names(cls, v: list[Tool] | None) -> list[Tool] | None:
-        check_tools(v)
-        return v
-
-    @field_validator("tool_choice", mode="after")
-    @classmethod
-    def _choice_needs_tools(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
-        check_tool_choice(v, info.data.get("tools"))
-        return v
-
-    @field_validator("image_data")
-    @classmethod
-    def _no_images(cls, v: Any) -> None:
-        if v is not None:
-            raise ValueError("image input is not supported: the served model reads text only")
-        return None
-
-    @model_validator(mode="after")
-    def _one_input(self) -> GenerateRequest:
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of 'text' or 'input_ids'")
-        return self
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -431,25 +380,14 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ChatCompletionRequest(_OpenAIBase):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
-    tools: list[Tool] | None = Field(None, min_length=1)
-    tool_choice: ToolChoice | None = None  # before: its validator reads tools
-    parallel_tool_calls: bool | None = None
+class _ToolFields(BaseModel):
+    """OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``, checked as OpenAI does: a
+    400 naming ``tools`` for two functions of one name, one naming ``tool_choice`` for
+    "required" or a named function without (or not among) the tools."""
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tools_depth(cls, v: Any) -> Any:
-        """A 400 naming ``tools`` for tools nested too deep to render (the chat template's
-        recursion failed, and the 400 named ``messages``)."""
-        if isinstance(v, list):
-            check_json_depth(v, "tools")
-        return v
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: ToolChoice | None = None  # after tools: its validator reads them
+    parallel_tool_calls: bool | None = None
 
     @field_validator("tools", mode="after")
     @classmethod
@@ -461,6 +399,60 @@ class ChatCompletionRequest(_OpenAIBase):
     @classmethod
     def _choice_needs_tools(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
         check_tool_choice(v, info.data.get("tools"))
+        return v
+
+
+class GenerateRequest(_ToolFields):
+    """SGLang's native /generate body: exactly one of ``text`` / ``input_ids``. ``tools``, radixlm's
+    extension for the frontend DSL: calls constrained and parsed as on the chat route
+    (``meta_info.tool_calls``); the prompt is the caller's text, tools are not rendered into it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    # Plain ints: TokenizerManager.validate checks every id against the vocabulary (one
+    # min / max, 0.10 ms for 4096 ids); a per-element ``ge=0`` here cost pydantic 0.11 ms more.
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1, le=INT64_MAX)
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    return_text_in_logprobs: bool = False
+    # SGLang's field: run on this data parallel replica (0 .. --dp-size - 1) instead of the router's pick
+    data_parallel_rank: int | None = Field(None, ge=0)
+    image_data: Any = None  # SGLang's multimodal input: refused, the served models read text only
+
+    @field_validator("image_data")
+    @classmethod
+    def _no_images(cls, v: Any) -> None:
+        if v is not None:
+            raise ValueError("image input is not supported: the served model reads text only")
+        return None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of 'text' or 'input_ids'")
+        return self
+
+
+class ChatCompletionRequest(_OpenAIBase, _ToolFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_depth(cls, v: Any) -> Any:
+        """A 400 naming ``tools`` for tools nested too deep to render (the chat template's
+        recursion failed, and the 400 named ``messages``)."""
+        if isinstance(v, list):
+            check_json_depth(v, "tools")
         return v
 
     @field_validator("messages", mode="after")
