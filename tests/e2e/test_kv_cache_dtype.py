@@ -61,6 +61,7 @@ def test_fp8_server_answers_and_shares_fp8_prefix_pages(server_factory, idle_inv
     assert "exact attention sink, 64 slots" in log
 
 
+@pytest.mark.slow
 def test_server_refuses_to_start_with_unusable_scales(server_factory, tmp_path):
     path = tmp_path / "scales.json"
     path.write_text(
@@ -74,6 +75,7 @@ def test_server_refuses_to_start_with_unusable_scales(server_factory, tmp_path):
     assert "Traceback" not in str(failed.value)  # the user's file: the message, not a stack
 
 
+@pytest.mark.slow
 def test_mixed_server_answers_reuses_pages_and_logs_its_capacity(server_factory, idle_invariants):
     """mixed (time-decay INT4): answers, the radix cache serves the prompt's pages (some
     demoted to INT4 by then), and the start-up log gives tokens, bytes and the bf16 ratio."""

@@ -271,6 +271,7 @@ def _assert_400(r: httpx.Response, *words: str) -> None:
         assert w.lower() in err["message"].lower(), (w, err)
 
 
+@pytest.mark.slow
 def test_c07_prompt_larger_than_kv_pool_is_fast_400(server_factory, idle_invariants):
     """Context 8192 with a KV pool of 4096 tokens (documented policy: the server starts;
     prompts that cannot fit in the pool are refused per request with 400)."""

@@ -278,6 +278,7 @@ def _utf8_pair(c: httpx.Client, api: Api, body: dict[str, Any]) -> tuple[str, li
     return want, chunks
 
 
+@pytest.mark.slow
 def test_c12a_cjk_completion_stream_matches_non_stream(server, idle_invariants):
     # The case asks for max_tokens=200; 64 keeps the CPU run short and already crosses
     # dozens of characters split over two byte-level tokens (greedy output is "？？？...",
@@ -391,6 +392,7 @@ def _c13_single_modes(srv, interval: int) -> None:
         _c13_generate(c, interval)
 
 
+@pytest.mark.slow
 def test_c13_stream_equals_non_stream_every_mode(server, idle_invariants):
     _c13_single_modes(server, interval=1)
     with server.client() as c:  # n=2, seeded: per-index concatenation vs each choice

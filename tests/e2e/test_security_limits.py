@@ -86,6 +86,7 @@ def limited(server_factory):
 
 
 # --------------------------------------------------------------------------- API key
+@pytest.mark.slow
 def test_api_key_is_required_everywhere_except_health(server_factory, idle_invariants):
     with server_factory(api_key=KEY, max_total_tokens=2048) as srv:
         assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
@@ -262,6 +263,7 @@ def _send_marked_requests(srv: Any, marker: str) -> None:
             assert c.post(path, json=body).status_code == 400, path
 
 
+@pytest.mark.slow
 def test_prompt_text_is_not_logged_without_log_requests(server_factory, idle_invariants):
     marker = f"quokka{uuid.uuid4().hex[:10]}"
     with server_factory(log_level="debug", max_total_tokens=2048) as srv:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import openai
+import pytest
 
 from radixlm.frontend import RuntimeEndpoint, function, gen
 from radixlm.runtime.cli import main as cli_main
@@ -72,6 +73,7 @@ def test_generate_stream_is_cumulative_and_ends_with_done(server, idle_invariant
     idle_invariants(server)
 
 
+@pytest.mark.slow
 def test_stream_output_sends_disjoint_segments(server_factory, idle_invariants, tmp_path):
     """--stream-output (SGLang's): each native event carries only the new text, ids and
     output logprobs; they concatenate to the non-streamed response. The bench client reads

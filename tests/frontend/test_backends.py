@@ -123,6 +123,7 @@ def test_openai_backend_refuses_what_the_api_cannot_express(openai_backend):
         mid_message.run(backend=openai_backend)
 
 
+@pytest.mark.slow
 def test_runtime_starts_serves_and_stops_a_server(tmp_path):
     log = open(tmp_path / "server.log", "w")
     with Runtime(log=log, max_total_tokens=2048, startup_timeout=240) as runtime:

@@ -101,6 +101,7 @@ def test_split_head_dim_128_and_wider_program(paged_case, relerr) -> None:
         _run(case, 4, config, workspace=work)
 
 
+@pytest.mark.slow
 def test_split_fp8_pages(paged_case, relerr) -> None:
     """FP8 (e4m3) pools with distinct per-kv-head scales, as the reference dequantises them."""
     case = paged_case(MIXED, 8, 2, 32, 4, seed=6)

@@ -164,7 +164,7 @@ def test_decode_fp8_half_queries_both_compute_dtypes(fp8_compute) -> None:
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])  # long-extend kernel, split-KV path
-@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 4, 4), (16, 8, 2)])
+@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 4, 4), pytest.param(16, 8, 2, marks=pytest.mark.slow)])
 def test_extend_fp8_matches_reference(page_size, num_heads, num_kv_heads, num_splits) -> None:
     specs = [(0, 19), (13, 5), (40, 33)]
     case, k8, v8, k_scale, v_scale = _fp8_case(

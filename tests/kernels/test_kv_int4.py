@@ -102,7 +102,7 @@ def _tile_kinds(case, tiered, block_n) -> set[str]:
 
 @pytest.mark.parametrize(
     ("page_size", "num_heads", "num_kv_heads", "head_dim", "group"),
-    [(4, 4, 4, 32, 32), (16, 6, 2, 32, 16), (8, 8, 2, 64, 64)],
+    [(4, 4, 4, 32, 32), (16, 6, 2, 32, 16), pytest.param(8, 8, 2, 64, 64, marks=pytest.mark.slow)],
 )
 def test_decode_tiered_matches_reference(page_size, num_heads, num_kv_heads, head_dim, group) -> None:
     lens = [1, 7, 38, 75]
@@ -130,7 +130,7 @@ def test_decode_tiered_matches_reference(page_size, num_heads, num_kv_heads, hea
 
 
 @pytest.mark.parametrize(
-    ("page_size", "num_heads", "num_kv_heads", "group"), [(4, 4, 4, 32), (16, 8, 2, 8)]
+    ("page_size", "num_heads", "num_kv_heads", "group"), [(4, 4, 4, 32), pytest.param(16, 8, 2, 8, marks=pytest.mark.slow)]
 )
 def test_extend_tiered_matches_reference(page_size, num_heads, num_kv_heads, group) -> None:
     specs = [(0, 19), (13, 5), (40, 33)]
@@ -163,7 +163,7 @@ def _check_tile_kinds(case, tiered, layout, page_size, block_n) -> None:
 
 
 @pytest.mark.parametrize(("page_size", "block_n"), TILINGS)
-@pytest.mark.parametrize("layout", ["mixed", "int4", "fp8"])
+@pytest.mark.parametrize("layout", ["mixed", *(pytest.param(k, marks=pytest.mark.slow) for k in ("int4", "fp8"))])
 def test_decode_tiered_tile_kinds(page_size, block_n, layout) -> None:
     """Decode over the mixed steady state (sink page FP8, INT4 middle, FP8 window), all
     INT4 and all FP8 pages: tiles that are all INT4, all FP8 and both, split or not."""
@@ -182,7 +182,7 @@ def test_decode_tiered_tile_kinds(page_size, block_n, layout) -> None:
 
 
 @pytest.mark.parametrize(("page_size", "block_n"), TILINGS)
-@pytest.mark.parametrize("layout", ["mixed", "int4", "fp8"])
+@pytest.mark.parametrize("layout", ["mixed", *(pytest.param(k, marks=pytest.mark.slow) for k in ("int4", "fp8"))])
 def test_extend_tiered_tile_kinds(page_size, block_n, layout) -> None:
     """Extend (unmasked prefix tiles and causal diagonal tiles) over the same layouts; the
     (0, 40) prefill's first rows see only the FP8 sink page of a tile that also holds INT4

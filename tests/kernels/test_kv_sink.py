@@ -44,7 +44,7 @@ def _substituted(case, k8, v8, k_scale, v_scale, sink) -> tuple[torch.Tensor, to
     return k, v
 
 
-@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 8, 2), (16, 6, 3)])
+@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 8, 2), pytest.param(16, 6, 3, marks=pytest.mark.slow)])
 def test_decode_sink_matches_reference(page_size, num_heads, num_kv_heads) -> None:
     lens = [1, 7, 38, 75]
     case, k8, v8, k_scale, v_scale = _fp8_case([(n - 1, 1) for n in lens], num_heads, num_kv_heads, 32, page_size)
@@ -73,7 +73,7 @@ def test_decode_sink_matches_reference(page_size, num_heads, num_kv_heads) -> No
         assert rel_error(out, ref + v_mean.repeat_interleave(group, 0)) < 1e-5, num_splits
 
 
-@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 4, 4), (16, 8, 2)])
+@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(4, 4, 4), pytest.param(16, 8, 2, marks=pytest.mark.slow)])
 def test_extend_sink_matches_reference(page_size, num_heads, num_kv_heads) -> None:
     """The one-pass kernel (every scale mode) and the split-KV path, prefixes of 0 (the pass
     computes position 0), 13 and 40 tokens, one request without a slot."""
@@ -97,6 +97,7 @@ def test_extend_sink_matches_reference(page_size, num_heads, num_kv_heads) -> No
         assert rel_error(out, ref) < 1e-5, (num_splits, config)
 
 
+@pytest.mark.slow
 def test_sink_half_queries_fp16_dots() -> None:
     """fp16 queries on FP8 pages with a sink: decode and both extend paths on their fp16-dot
     path match the fp32 reference with the sink."""
