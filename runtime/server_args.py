@@ -479,6 +479,8 @@ class ServerArgs:
                             ("--hicache-prefetch-timeout-s", self.hicache_prefetch_timeout_s)):
             if not 0 <= value < math.inf:
                 raise ValueError(f"{flag} must be a finite number >= 0")
+        if self.hicache_storage_dir is not None and self.hicache_storage_size_gb == 0:
+            raise ValueError("--hicache-storage-size-gb must be > 0 with --hicache-storage-dir")
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
             raise ValueError(f"--hicache-write-policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}")
         if self.hicache_write_threshold < 1:

@@ -27,6 +27,7 @@ import logging
 import os
 import secrets
 import struct
+import tempfile
 import threading
 import time
 import zlib
@@ -90,7 +91,7 @@ class DiskStore:
     ``payload_bytes``: the KV bytes of one page. ``capacity_bytes``: the quota; the store
     does not enforce it, the caller (which owns the L4 index and its eviction order) keeps
     at most ``capacity_pages`` pages and ``delete``s to make room. ValueError on an argument
-    out of range or a capacity below one page; OSError if the folder cannot be made.
+    out of range or a capacity below one page; OSError if the folder cannot be made or written.
 
     Threads: one writer (writes and deletes run in submission order) and ``read_threads``
     readers. Methods may be called from any thread; the counters (plain ints, read without
@@ -129,6 +130,8 @@ class DiskStore:
             )
         self.root = Path(directory) / identity
         self.root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=self.root):  # OSError now, not at the first write
+            pass
         # Temp files are named <key>.<pid>.<token>.tmp: index() tells ours, a live
         # process's and a dead writer's apart (the token also covers a reused pid).
         self._token = secrets.token_hex(4)

@@ -47,12 +47,18 @@ from radixlm.runtime.memory.cost_model import TierCostModel
 from radixlm.runtime.memory.disk_store import ROOT_KEY, PageHeader, page_key
 from radixlm.runtime.memory.page_allocator import PageAllocator
 
-__all__ = ["WRITE_POLICIES", "HiCache", "HiCacheStats"]
+__all__ = ["TierConfigError", "WRITE_POLICIES", "HiCache", "HiCacheStats"]
 
 logger = logging.getLogger("radixlm.hicache")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST, DISK = 0, 1  # lower tier indices in the tree
 DISK_RATE_WEIGHT_BYTES = 64 << 20  # a prefetch of this size weighs as much as the disk rate known before it
+
+
+class TierConfigError(ValueError):
+    """A ``--hicache-*`` setting this host cannot serve (a host tier no larger than the device
+    pool or beyond the host's memory, a storage folder that cannot be written, a disk quota
+    below one page): start-up stops with this message."""
 
 
 @dataclass

@@ -38,7 +38,7 @@ from radixlm.runtime.ipc import MsgSocket
 from radixlm.runtime.kv_events import KVEventPublisher, KVEventRecorder
 from radixlm.runtime.memory.page_allocator import PageAllocator
 from radixlm.runtime.scheduler.decision import ItemResult, PendingStep
-from radixlm.runtime.scheduler.hicache import HiCache
+from radixlm.runtime.scheduler.hicache import HiCache, TierConfigError
 from radixlm.runtime.scheduler.peer import PeerCache
 from radixlm.runtime.scheduler.planner import BatchPlanner
 from radixlm.runtime.scheduler.prefix_cache import PrefixCache
@@ -51,7 +51,7 @@ from radixlm.runtime.text.grammar import GrammarCache, allows_a_token, grammar_o
 __all__ = ["Scheduler", "run_scheduler_process"]
 
 # start-up failures caused by the user's model or files: logged as their message, no traceback
-_USER_ERRORS = (KVScalesError, UnsupportedArchitecture)
+_USER_ERRORS = (KVScalesError, UnsupportedArchitecture, TierConfigError)
 
 logger = logging.getLogger("radixlm.scheduler")
 STATS_INTERVAL_S = 0.5
@@ -671,21 +671,39 @@ class Scheduler:
 def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCache:
     """The hierarchical cache under ``tree``: a host pool of ``args.hicache_host_bytes``,
     the disk store of ``--hicache-storage-dir`` (indexed: an earlier process's pages are
-    matchable), bandwidths measured (``ModelRunner.tier_costs``). ValueError when the host
-    tier would hold no page."""
+    matchable), bandwidths measured (``ModelRunner.tier_costs``). TierConfigError when the
+    host tier would not be larger than the device pool (as SGLang's HiCache requires: every
+    device page is copied down, so a smaller host tier keeps dropping what it just took), or
+    would take more than the host's available memory, or when the storage folder cannot be
+    created and written, or its quota holds no page."""
     from radixlm.runtime.memory.disk_store import DiskStore
     from radixlm.runtime.memory.host_pool import HostKVPool, host_page_bytes
 
     page_bytes = host_page_bytes(runner.pool)
-    rows = args.hicache_host_bytes(runner.pool.total_bytes) // page_bytes
-    if rows < 1:
-        raise ValueError(f"the host KV tier holds no page: {args.hicache_host_bytes(runner.pool.total_bytes)} "
-                         f"bytes < one page of {page_bytes} bytes (raise --hicache-size-gb / --hicache-ratio)")
+    host_bytes = args.hicache_host_bytes(runner.pool.total_bytes)
+    rows = host_bytes // page_bytes
+    device_pages = runner.pool.num_pages
+    if rows <= device_pages:
+        raise TierConfigError(
+            f"the host KV tier ({rows} pages, {host_bytes / 2**30:.3g} GiB) must be larger than the device KV "
+            f"pool ({device_pages} pages, {runner.pool.total_bytes / 2**30:.3g} GiB): raise --hicache-size-gb, "
+            "or give --hicache-ratio > 1")
+    available = _available_host_bytes()
+    if available is not None and rows * page_bytes > available:
+        raise TierConfigError(
+            f"the host KV tier needs {rows * page_bytes / 2**30:.3g} GiB, more than the "
+            f"{available / 2**30:.3g} GiB of host memory available: lower --hicache-size-gb / --hicache-ratio")
     host = HostKVPool(runner.pool, rows + 1, args.hicache_io_backend)  # row 0 unused (PageAllocator)
     disk = None
     if args.hicache_storage_dir is not None:
-        disk = DiskStore(args.hicache_storage_dir, runner.kv_identity(), args.page_size, page_bytes,
-                         int(args.hicache_storage_size_gb * 2**30))
+        try:
+            disk = DiskStore(args.hicache_storage_dir, runner.kv_identity(), args.page_size, page_bytes,
+                             int(args.hicache_storage_size_gb * 2**30))
+        except OSError as exc:
+            raise TierConfigError(f"--hicache-storage-dir {args.hicache_storage_dir}: "
+                                  f"{exc.strerror or exc}") from exc
+        except ValueError as exc:  # a quota below one page file
+            raise TierConfigError(f"--hicache-storage-size-gb {args.hicache_storage_size_gb}: {exc}") from exc
     costs = runner.tier_costs(host, disk)
     if args.hicache_load_policy == "always":
         costs = dataclasses.replace(costs, always_load=True)
@@ -704,6 +722,18 @@ def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCa
         "recompute_flops_per_s": costs.compute.flops_per_s, "write_policy": args.hicache_write_policy,
         "load_policy": args.hicache_load_policy, "io_backend": "kernel" if host.layerwise else "direct"}
     return hicache
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def join_peers(scheduler: Scheduler, placement: PeerPlacement, recv: MsgSocket) -> list[MsgSocket]:

@@ -67,6 +67,8 @@ def test_unusable_api_key_is_a_usage_error(monkeypatch, capsys, key):
     (["--dp-size", "2", "--dist-init-addr", "127.0.0.1:65535"], "ports 65535..65536"),
     (["--dp-size", "2", "--enable-peer-kv", "--dist-init-addr", "h:65534"], "ports 65534..65536"),
     (["--dp-size", "2", "--dp-balance-abs", "-1"], "--dp-balance-abs must be >= 0"),
+    (["--hicache-storage-dir", "/tmp/kv", "--hicache-storage-size-gb", "0"],
+     "--hicache-storage-size-gb must be > 0 with --hicache-storage-dir"),
 ])
 def test_limit_flags_out_of_range_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:

@@ -166,3 +166,22 @@ def test_tiny_disk_quota_keeps_serving(smollm2_dir: str, reference, tmp_path: Pa
         _idle_ok(server)
         assert server.tm.ready.hicache["disk_pages"] == 3  # 737,280-byte pages (+ header) in 2.1 MiB
     assert len(list(store.rglob("*.kvpage"))) <= 3
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (dict(hicache_size_gb=0.02), "must be larger than the device KV pool (41 pages"),
+    (dict(hicache_size_gb=1e5), "of host memory available"),
+    (dict(hicache_storage_dir="/proc/radixlm-kv"), "--hicache-storage-dir /proc/radixlm-kv: "),
+    (dict(hicache_storage_dir="TMP", hicache_storage_size_gb=1e-4),
+     "--hicache-storage-size-gb 0.0001: capacity_bytes 107374 holds no page"),
+])
+def test_tier_sizes_the_host_cannot_serve_stop_start_up_with_the_flag(smollm2_dir: str, tmp_path: Path, flags: dict,
+                                                                      message: str) -> None:
+    """A host tier no larger than the device pool (SGLang refuses it too: each device page is
+    copied down, so it would keep dropping what it just took) or beyond the host's memory, a
+    storage folder that cannot be made, a quota below one page file: start-up stops with a
+    message naming the setting (TierConfigError, logged without a traceback)."""
+    flags = {k: str(tmp_path / "kv") if v == "TMP" else v for k, v in flags.items()}
+    with pytest.raises(RuntimeError, match="TierConfigError") as err:
+        LocalServer(_args(smollm2_dir, **flags))
+    assert message in str(err.value), str(err.value)
