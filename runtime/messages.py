@@ -178,6 +178,7 @@ class HiCacheStats(msgspec.Struct, kw_only=True):
     pages_moved: dict[str, int]  # device_to_host / host_to_device / host_to_disk / disk_to_host
     prefetch_hits: int  # disk prefetches complete before admission
     prefetch_timeouts: int  # admitted before the prefetch ended (the rest recomputed)
+    prefetch_failed: int  # ended with a page missing or failing verification (recomputed)
     prefetch_failures: int  # pages that failed verification: dropped, recomputed
     prefetch_seconds: float  # summed prefetch wait
     prefetch_count: int

@@ -70,6 +70,7 @@ class HiCacheStats:
         "device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0})
     prefetch_hits: int = 0  # prefetches whose every page arrived before admission
     prefetch_timeouts: int = 0  # admitted before the prefetch finished
+    prefetch_failed: int = 0  # ended with a page missing or failing verification (the node recomputed)
     prefetch_failures: int = 0  # pages that failed verification (dropped, recomputed)
     prefetch_seconds: float = 0.0  # summed start -> done (or timeout) of prefetches
     prefetch_count: int = 0
@@ -398,11 +399,12 @@ class HiCache:
         del self.prefetches[rid]
         self.stats.prefetch_count += 1
         self.stats.prefetch_seconds += waited
-        if done:
+        if done and all(f.result() for _, _, futures in pf.reads for f in futures):
             self.stats.prefetch_hits += 1
-            if all(f.result() for _, _, futures in pf.reads for f in futures):
-                pages = sum(len(rows) for _, rows, _ in pf.reads)
-                self._observe_disk(pages * self.costs.page_bytes, max(pf.ends) - pf.started)
+            pages = sum(len(rows) for _, rows, _ in pf.reads)
+            self._observe_disk(pages * self.costs.page_bytes, max(pf.ends) - pf.started)
+        elif done:
+            self.stats.prefetch_failed += 1
         else:
             self.stats.prefetch_timeouts += 1
         self.tree.dec_lock(pf.node)

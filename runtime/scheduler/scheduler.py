@@ -539,7 +539,7 @@ class Scheduler:
             disk_pages_total=hc.disk.capacity_pages if hc.disk is not None else 0,
             disk_pages_used=tree.tier_pages(1) if hc.disk is not None else 0,
             hit_tokens=dict(st.hit_tokens), pages_moved=dict(st.pages_moved), page_bytes=hc.host.page_bytes,
-            prefetch_hits=st.prefetch_hits, prefetch_timeouts=st.prefetch_timeouts,
+            prefetch_hits=st.prefetch_hits, prefetch_timeouts=st.prefetch_timeouts, prefetch_failed=st.prefetch_failed,
             prefetch_failures=st.prefetch_failures, prefetch_seconds=st.prefetch_seconds,
             prefetch_count=st.prefetch_count, skipped_loads=st.skipped_loads,
             disk_writes_skipped=st.disk_writes_skipped)

@@ -85,8 +85,9 @@ class Metrics:
         self.tier_used = tiered("hicache_tier_used_pages", "Pages held in each lower tier (host, disk).", "tier")
         self.tier_capacity = tiered("hicache_tier_total_pages", "Capacity of each lower tier in pages.", "tier")
         self.prefetch = tiered("hicache_prefetch_total", "Disk prefetches of waiting requests, by outcome "
-                               "(complete: every page arrived; timeout: admitted first, the rest "
-                               "recomputed).", "outcome")
+                               "(complete: every page arrived and verified; timeout: admitted first, the "
+                               "rest recomputed; failed: a page was missing or failed verification, its "
+                               "node recomputed).", "outcome")
         self.prefetch_failed = gauge("hicache_prefetch_failed_pages_total",
                                      "Disk pages that failed verification (dropped, recomputed).")
         self.prefetch_seconds = gauge("hicache_prefetch_seconds_total", "Summed prefetch wait (seconds): "
@@ -139,6 +140,7 @@ class Metrics:
             self.tier_capacity.labels(model_name=name, tier=tier).set(total)
         self.prefetch.labels(model_name=name, outcome="complete").set(hc.prefetch_hits)
         self.prefetch.labels(model_name=name, outcome="timeout").set(hc.prefetch_timeouts)
+        self.prefetch.labels(model_name=name, outcome="failed").set(hc.prefetch_failed)
         self.prefetch_failed.set(hc.prefetch_failures)
         self.prefetch_seconds.set(hc.prefetch_seconds)
         self.skipped_loads.set(hc.skipped_loads)

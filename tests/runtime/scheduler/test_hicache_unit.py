@@ -137,7 +137,7 @@ def test_failed_read_drops_the_node() -> None:
     hc.disk.reads[0].set_result(False)
     hc.disk.reads[1].set_result(True)
     assert hc.prefetch_ready("r")
-    assert hc.stats.prefetch_failures == 1 and hc.stats.prefetch_hits == 1
+    assert hc.stats.prefetch_failures == 1 and hc.stats.prefetch_failed == 1 and hc.stats.prefetch_hits == 0
     assert tree.match_prefix([1, 2, 3, 4]).tail == ()  # a miss: recomputed
     assert hc.host_rows.num_free == 8
     hc.check_invariants()
