@@ -711,7 +711,7 @@ def make_hicache(args: ServerArgs, runner: ModelRunner, tree: RadixTree) -> HiCa
                       args.hicache_prefetch_timeout_s)
     indexed = hicache.index_disk()
     logger.info("hierarchical cache: host tier %d pages (%.2f GiB, %s), disk tier %s; page %d bytes; "
-                "read bandwidth %s; prefill %.1f TFLOP/s; write policy %s", rows, rows * page_bytes / 2**30,
+                "read bandwidth %s; prefill %.3g TFLOP/s; write policy %s", rows, rows * page_bytes / 2**30,
                 "pinned" if host.cuda else "CPU memory",
                 f"{disk.capacity_pages} pages in {disk.root}, {indexed} indexed" if disk else "off",
                 page_bytes, {k: f"{v / 1e9:.2f} GB/s" for k, v in costs.read_bytes_per_s.items()},
