@@ -256,6 +256,7 @@ def test_model_info_reports_the_model_as_given(server):
     assert info["is_generation"] is True and info["context_length"] == 8192
 
 
+@pytest.mark.slow
 def test_server_info_mirrors_sglang_without_the_api_key(server_factory, idle_invariants):
     key = "apigaps-secret-key-42"
     with server_factory(api_key=key, max_total_tokens=4096, page_size=8) as srv, srv.client() as c:

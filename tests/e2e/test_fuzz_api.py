@@ -360,7 +360,6 @@ def test_wrong_method_is_405_naming_the_allowed_ones(fuzz_server, method: str, p
     assert {m.strip() for m in r.headers["allow"].split(",")} == allowed
 
 
-@pytest.mark.slow
 def test_every_field_with_every_odd_value(fuzz_server) -> None:
     """The deterministic part of 2.: each odd string in each string field and each odd
     number in each numeric field of each base body, one at a time."""

